@@ -1,0 +1,82 @@
+// Steps 4 and 6 on the CPU: out[rows of group e] = x[rows of e] @ w[e]^T,
+// f32 accumulation. Rows past sum(expert_sizes) are zero.
+#include <algorithm>
+#include <vector>
+
+#include "ffi_common.h"
+#include "ops.h"
+
+namespace jax_moe {
+namespace {
+
+// Eight independent partial sums so the compiler vectorises the dot product
+// without reassociating (no -ffast-math needed).
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+         ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+template <ffi::DataType DT>
+void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes,
+               int64_t m, int64_t groups, int64_t n, int64_t k,
+               void* out_raw) {
+  using S = HostScalar<DT>;
+  const auto* x = static_cast<const typename S::Storage*>(x_raw);
+  const auto* w = static_cast<const typename S::Storage*>(w_raw);
+  auto* out = static_cast<typename S::Storage*>(out_raw);
+  std::vector<float> wf, xf(k);
+  int64_t row = 0;
+  for (int64_t e = 0; e < groups && row < m; ++e) {
+    // Clamp: negative or oversized counts never index past the buffers.
+    int64_t count = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - row);
+    if (count == 0) continue;
+    wf.resize(n * k);
+    for (int64_t i = 0; i < n * k; ++i) wf[i] = S::Load(w[e * n * k + i]);
+    for (int64_t r = row; r < row + count; ++r) {
+      for (int64_t c = 0; c < k; ++c) xf[c] = S::Load(x[r * k + c]);
+      for (int64_t c = 0; c < n; ++c)
+        out[r * n + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));
+    }
+    row += count;
+  }
+  std::fill(out + row * n, out + m * n, S::Store(0.f));
+}
+
+ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::S32> expert_sizes,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3)
+    return InvalidArg("group_gemm: x must be (M, K) and w (E, N, K)");
+  const int64_t m = xd[0], k = xd[1], groups = wd[0], n = wd[1];
+  if (wd[2] != k) return InvalidArg("group_gemm: K of x and w differ");
+  if (static_cast<int64_t>(expert_sizes.element_count()) != groups)
+    return InvalidArg("group_gemm: expert_sizes must have E entries");
+  if (x.element_type() != w.element_type() || out->element_type() != x.element_type())
+    return InvalidArg("group_gemm: x, w and the output must share a dtype");
+  if (out->element_count() != static_cast<size_t>(m * n))
+    return InvalidArg("group_gemm: output must be (M, N)");
+  return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() {
+    GroupGemm<DT>(x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
+                  m, groups, n, k, out->untyped_data());
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+}  // namespace jax_moe

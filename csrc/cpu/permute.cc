@@ -1,0 +1,97 @@
+// Steps 3 and 7 on the CPU: expand (gather rows by expert) and the weighted
+// combine back to token order.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "ffi_common.h"
+#include "ops.h"
+
+namespace jax_moe {
+namespace {
+
+// out[i] = x[dst_to_src[i] / topk]; rows with no valid source are zero.
+ffi::Error ExpandCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> dst_to_src,
+                     int64_t topk, ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t tokens = LeadingRows(x.dimensions());
+  const int64_t hidden = LastDim(x.dimensions());
+  const int64_t m = dst_to_src.element_count();
+  if (topk < 1) return InvalidArg("moe_expand_input: topk must be >= 1");
+  if (out->element_count() != static_cast<size_t>(m * hidden) ||
+      out->element_type() != x.element_type())
+    return InvalidArg("moe_expand_input: output must be (len(dst_to_src), H) of x's dtype");
+  const size_t row_bytes = hidden * ffi::ByteWidth(x.element_type());
+  const char* src = static_cast<const char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* d2s = dst_to_src.typed_data();
+  const int64_t limit = tokens * topk;
+  for (int64_t i = 0; i < m; ++i) {
+    int64_t s = d2s[i];
+    if (s >= 0 && s < limit) {
+      std::memcpy(dst + i * row_bytes, src + (s / topk) * row_bytes, row_bytes);
+    } else {
+      std::memset(dst + i * row_bytes, 0, row_bytes);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// out[t] = sum_j w[t, j] * y[src_to_dst[t*k + j]], f32 accumulation in j order.
+template <ffi::DataType DT>
+void CombineRows(const void* y_raw, const float* w, const int32_t* s2d,
+                 int64_t tokens, int64_t k, int64_t m, int64_t hidden,
+                 void* out_raw) {
+  using S = HostScalar<DT>;
+  const auto* y = static_cast<const typename S::Storage*>(y_raw);
+  auto* out = static_cast<typename S::Storage*>(out_raw);
+  std::vector<float> acc(hidden);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t r = s2d[t * k + j];
+      if (r < 0 || r >= m) continue;  // not routed here: counts as zero
+      float wt = w[t * k + j];
+      const auto* row = y + r * hidden;
+      for (int64_t h = 0; h < hidden; ++h) acc[h] += wt * S::Load(row[h]);
+    }
+    for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = S::Store(acc[h]);
+  }
+}
+
+ffi::Error CombineCpu(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
+                      ffi::Buffer<ffi::S32> src_to_dst,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t m = LeadingRows(y.dimensions());
+  const int64_t hidden = LastDim(y.dimensions());
+  const int64_t k = LastDim(weights.dimensions());
+  const int64_t tokens = LeadingRows(weights.dimensions());
+  if (static_cast<int64_t>(src_to_dst.element_count()) != tokens * k)
+    return InvalidArg("moe_combine: src_to_dst must have T*topk entries");
+  if (out->element_count() != static_cast<size_t>(tokens * hidden) ||
+      out->element_type() != y.element_type())
+    return InvalidArg("moe_combine: output must be (T, H) of y's dtype");
+  return DispatchFloat(y.element_type(), "y", [&]<ffi::DataType DT>() {
+    CombineRows<DT>(y.untyped_data(), weights.typed_data(),
+                    src_to_dst.typed_data(), tokens, k, m, hidden,
+                    out->untyped_data());
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpandCpu, ExpandCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("topk")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineCpu, CombineCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+}  // namespace jax_moe

@@ -1,0 +1,137 @@
+// Shared helpers for the jax_moe FFI handlers (CPU and CUDA).
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_moe {
+
+namespace ffi = xla::ffi;
+
+// Product of all dimensions but the last: row-wise ops accept any leading
+// batch dimensions (that is how vmap's broadcast_all reaches them).
+template <typename Dims>
+inline int64_t LeadingRows(const Dims& dims) {
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rows *= dims[i];
+  return rows;
+}
+
+template <typename Dims>
+inline int64_t LastDim(const Dims& dims) {
+  return dims.size() == 0 ? 1 : dims[dims.size() - 1];
+}
+
+inline ffi::Error InvalidArg(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_moe: " + msg);
+}
+
+inline bool IsFloatType(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
+         t == ffi::DataType::F16;
+}
+
+// Activation codes shared by Python (jax_moe/ops.py) and both backends.
+enum Activation : int64_t { kSilu = 0, kGeluExact = 1, kGeluTanh = 2 };
+
+// Number of flat (token, slot) entries each block of the token-index kernels
+// owns. Python sizes the scratch output with the same constant (exported by
+// the module as INDEX_CHUNK).
+constexpr int64_t kIndexChunk = 256;
+
+inline int64_t IndexScratchSize(int64_t num_entries, int64_t num_local) {
+  int64_t chunks = (num_entries + kIndexChunk - 1) / kIndexChunk;
+  return chunks * num_local + 1;
+}
+
+// ---- host-side 16-bit float conversions (round to nearest even) ----------
+inline float Bf16ToFloat(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+inline float HalfToFloat(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { ++e; man <<= 1; } while ((man & 0x400u) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToHalf(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint32_t sign = (bits >> 16) & 0x8000u;
+  uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (abs < 0x38800000u) {
+    // Subnormal or zero: the value in units of 2^-24, rounded to nearest even
+    // (1024 lands on the smallest normal's encoding, as it should).
+    float mag;
+    std::memcpy(&mag, &abs, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(mag * 16777216.0f)));
+  }
+  uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((rounded - (112u << 23)) >> 13));
+}
+
+// Load/store one element of a float buffer of any supported type as f32.
+template <ffi::DataType T> struct HostScalar;
+template <> struct HostScalar<ffi::DataType::F32> {
+  using Storage = float;
+  static float Load(float v) { return v; }
+  static float Store(float v) { return v; }
+};
+template <> struct HostScalar<ffi::DataType::BF16> {
+  using Storage = uint16_t;
+  static float Load(uint16_t v) { return Bf16ToFloat(v); }
+  static uint16_t Store(float v) { return FloatToBf16(v); }
+};
+template <> struct HostScalar<ffi::DataType::F16> {
+  using Storage = uint16_t;
+  static float Load(uint16_t v) { return HalfToFloat(v); }
+  static uint16_t Store(float v) { return FloatToHalf(v); }
+};
+
+// Calls fn.template operator()<DT>() for the float type `t`.
+template <typename Fn>
+inline ffi::Error DispatchFloat(ffi::DataType t, const char* what, Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::F32: return fn.template operator()<ffi::DataType::F32>();
+    case ffi::DataType::BF16: return fn.template operator()<ffi::DataType::BF16>();
+    case ffi::DataType::F16: return fn.template operator()<ffi::DataType::F16>();
+    default: return InvalidArg(std::string(what) + ": unsupported dtype (want f32, bf16 or f16)");
+  }
+}
+
+}  // namespace jax_moe

@@ -1,0 +1,50 @@
+// The nanobind module: hands XLA one capsule per (target, platform).
+#include <nanobind/nanobind.h>
+
+#include "ffi_common.h"
+#include "ops.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_jax_moe, m) {
+  using namespace jax_moe;
+  m.def("registrations", []() {
+    nb::dict platforms;
+    nb::dict cpu;
+    cpu["jax_moe_topk_softmax"] = Capsule(kTopkSoftmaxCpu);
+    cpu["jax_moe_token_index"] = Capsule(kTokenIndexCpu);
+    cpu["jax_moe_expand"] = Capsule(kExpandCpu);
+    cpu["jax_moe_group_gemm"] = Capsule(kGroupGemmCpu);
+    cpu["jax_moe_gated_act"] = Capsule(kGatedActCpu);
+    cpu["jax_moe_combine"] = Capsule(kCombineCpu);
+    platforms["cpu"] = cpu;
+#ifdef JAX_MOE_WITH_CUDA
+    nb::dict cuda;
+    cuda["jax_moe_topk_softmax"] = Capsule(kTopkSoftmaxCuda);
+    cuda["jax_moe_token_index"] = Capsule(kTokenIndexCuda);
+    cuda["jax_moe_expand"] = Capsule(kExpandCuda);
+    cuda["jax_moe_group_gemm"] = Capsule(kGroupGemmCuda);
+    cuda["jax_moe_gated_act"] = Capsule(kGatedActCuda);
+    cuda["jax_moe_combine"] = Capsule(kCombineCuda);
+    platforms["CUDA"] = cuda;
+#endif
+    return platforms;
+  });
+#ifdef JAX_MOE_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+  m.attr("INDEX_CHUNK") = kIndexChunk;
+}

@@ -1,0 +1,8 @@
+"""jax_moe: Mixture-of-Experts layers for JAX with XLA FFI CUDA kernels."""
+
+from jax_moe import ops, reference
+from jax_moe._ffi import HAS_CUDA
+from jax_moe.pipeline import MoEConfig, MoELayer, moe_forward
+
+__all__ = ["ops", "reference", "moe_forward", "MoEConfig", "MoELayer", "HAS_CUDA"]
+__version__ = "0.1.0"

@@ -1,0 +1,30 @@
+"""Loads the compiled extension and registers every FFI target once."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:
+    from jax_moe import _jax_moe as _ext
+except ImportError as exc:  # pragma: no cover - only when the build is missing
+    raise ImportError(
+        "jax_moe's compiled extension (_jax_moe) is missing: install the package "
+        "with `pip install --no-build-isolation .` so that it is built against "
+        "the installed jax"
+    ) from exc
+
+INDEX_CHUNK: int = int(_ext.INDEX_CHUNK)
+HAS_CUDA: bool = bool(_ext.has_cuda)
+
+
+@functools.cache
+def register() -> None:
+    """Registers every target for each platform the extension was built for."""
+    for platform, targets in _ext.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+register()
