@@ -29,6 +29,7 @@ def topk_softmax(router_logits, topk: int, renormalize: bool = True):
     _checks.float_dtype(router_logits, "router_logits")
     k = _checks.topk(topk, router_logits.shape[1])
     logits = router_logits.astype(jnp.float32)
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # as the kernels: NaN never wins
     probs = jax.nn.softmax(logits, axis=-1)
     # Select on the logits (exact order; lax.top_k puts the lower index first on ties).
     _, ids = jax.lax.top_k(logits, k)

@@ -20,6 +20,7 @@ void TopkSoftmaxRows(const void* logits_raw, int64_t rows, int64_t experts,
     float mx = -INFINITY;
     for (int64_t e = 0; e < experts; ++e) {
       row[e] = S::Load(logits[t * experts + e]);
+      if (std::isnan(row[e])) row[e] = -INFINITY;  // NaN is never preferred
       mx = std::fmax(mx, row[e]);
     }
     float sum = 0.f;

@@ -1,0 +1,181 @@
+"""End-to-end MoE layer benchmark: jax_moe (FFI kernels) vs the pure-JAX path
+(reference.py, jax.lax.ragged_dot), routing through combine.
+
+Device time per call comes from one jitted loop of many calls: each call feeds
+its output to the next and takes fresh routing (the logits rotate among several
+random batches), so nothing is cached or hoisted. After a warm-up the loop runs
+several times; the median per-call time is reported, with % of the hardware
+floor max(bytes / bandwidth, FLOPs / matmul rate) where bytes are the weights
+of the experts the batch touches plus activations in and out.
+
+    python benchmarks/bench_moe.py             # the full grid (meant for the GPU)
+    python benchmarks/bench_moe.py --quick     # tiny shapes, any backend (CI smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import date
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe
+
+SHAPES = {  # name: (H, I, E, k)
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "qwen3_235b_a22b": (4096, 1536, 128, 8),
+    "mixtral_8x7b": (4096, 14336, 8, 2),
+    "deepseek_v3": (7168, 2048, 256, 8),
+}
+TOKENS = (1, 16, 128, 1024, 8192)
+QUICK_SHAPES = {"tiny": (64, 32, 8, 2), "tiny_odd": (72, 40, 5, 3)}
+QUICK_TOKENS = (1, 16, 100)
+ROUTINGS = 8  # distinct random routings the loop rotates through
+
+
+def measure_ceilings(quick: bool) -> tuple[float, float]:
+    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate."""
+    if quick:
+        return 4.3e12, 790e12  # the H200 figures; --quick numbers are not reported
+    n = 1 << 30  # 2 GiB of bf16
+    a = jnp.ones((n,), jnp.bfloat16)
+    copy = jax.jit(lambda v: v + jnp.bfloat16(1))
+    copy(a).block_until_ready()
+    t = min(_time(lambda: copy(a).block_until_ready()) for _ in range(5))
+    bw = 2 * n * 2 / t
+    m = 8192
+    x = jax.random.normal(jax.random.PRNGKey(0), (m, m), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: p @ q)
+    mm(x, x).block_until_ready()
+    t = statistics.median(_time(lambda: mm(x, x).block_until_ready()) for _ in range(10))
+    return bw, 2 * m**3 / t
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def make_loop(backend: str, topk: int, calls: int):
+    """`calls` layer calls in one jitted loop; call i routes with logits[i % R]
+    and takes the previous call's output as its input."""
+
+    @jax.jit
+    def run(x, logits, w13, w2):
+        def body(i, h):
+            routing = logits[i % logits.shape[0]]
+            return jax_moe.moe_forward(h, routing, w13, w2, topk, backend=backend)
+
+        return jax.lax.fori_loop(0, calls, body, x)
+
+    return run
+
+
+def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
+    h, i, e, k = shape
+    keys = jax.random.split(jax.random.PRNGKey(rng.integers(1 << 30)), 4)
+    x = (jax.random.normal(keys[0], (tokens, h), jnp.float32)).astype(dtype)
+    logits = jax.random.normal(keys[1], (ROUTINGS, tokens, e), jnp.float32)
+    w13 = (jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5).astype(dtype)
+    w2 = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5).astype(dtype)
+
+    ids = np.asarray(jax.lax.top_k(logits, k)[1])
+    touched = np.mean([len(np.unique(ids[r])) for r in range(ROUTINGS)])
+    item = jnp.dtype(dtype).itemsize
+    nbytes = touched * 3 * h * i * item + 2 * tokens * h * item
+    flops = 2.0 * tokens * k * 3 * h * i
+    floor = max(nbytes / bw, flops / flops_rate)
+
+    row = {"shape": name, "tokens": tokens, "H": h, "I": i, "E": e, "k": k,
+           "experts_touched": float(touched), "floor_us": floor * 1e6}
+    for backend in ("ffi", "reference"):
+        run = make_loop(backend, k, calls)
+        run(x, logits, w13, w2).block_until_ready()  # compile + warm-up
+        times = [_time(lambda: run(x, logits, w13, w2).block_until_ready()) / calls
+                 for _ in range(repeats)]
+        t = statistics.median(times)
+        row[f"{backend}_us"] = t * 1e6
+    row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)
+    row["tflops"] = flops / (row["ffi_us"] * 1e-6) / 1e12
+    row["speedup_vs_jax"] = row["reference_us"] / row["ffi_us"]
+    return row
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    names = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rs = [r for r in rows if r["shape"] == name]
+        tok = [r["tokens"] for r in rs]
+        ax.plot(tok, [r["ffi_us"] for r in rs], "o-", label="jax_moe")
+        ax.plot(tok, [r["reference_us"] for r in rs], "s-", label="pure JAX (ragged_dot)")
+        ax.plot(tok, [r["floor_us"] for r in rs], "k--", label="hardware floor")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("µs per layer")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, any backend (smoke test)")
+    p.add_argument("--shapes", nargs="*", help="subset of shape names")
+    p.add_argument("--tokens", nargs="*", type=int)
+    p.add_argument("--calls", type=int, default=None, help="layer calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="bench_moe.json")
+    p.add_argument("--plot", default="bench_moe.png")
+    args = p.parse_args()
+
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = {n: shapes[n] for n in args.shapes}
+    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
+    calls = args.calls or (2 if args.quick else 20)
+    repeats = 2 if args.quick else args.repeats
+    dtype = jnp.float32 if args.quick and jax.default_backend() == "cpu" else jnp.bfloat16
+    bw, rate = measure_ceilings(args.quick)
+    dev = jax.devices()[0].device_kind
+    print(f"# {date.today()} {dev} ({jax.default_backend()}), jax {jax.__version__}, "
+          f"{jnp.dtype(dtype).name}; ceilings {bw / 1e12:.2f} TB/s, {rate / 1e12:.0f} TFLOP/s")
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"{'shape':<16}{'T':>6}{'floor µs':>10}{'jax_moe µs':>12}{'% floor':>9}"
+          f"{'TFLOP/s':>9}{'pure JAX µs':>13}{'speed-up':>9}")
+    for name, shape in shapes.items():
+        for t in tokens:
+            r = bench_case(name, shape, t, dtype, calls, repeats, bw, rate, rng)
+            rows.append(r)
+            print(f"{name:<16}{t:>6}{r['floor_us']:>10.1f}{r['ffi_us']:>12.1f}"
+                  f"{r['pct_of_floor']:>8.1f}%{r['tflops']:>9.1f}{r['reference_us']:>13.1f}"
+                  f"{r['speedup_vs_jax']:>8.2f}x", flush=True)
+    meta = {"date": str(date.today()), "device": dev, "backend": jax.default_backend(),
+            "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
+            "bandwidth_Bps": bw, "matmul_flops": rate, "quick": args.quick}
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"json: {args.json}")
+    if not args.quick:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

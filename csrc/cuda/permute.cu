@@ -1,0 +1,154 @@
+// Steps 3 and 7 on the GPU: expand (gather token rows into expert order) and
+// the weighted combine back to token order. Both move whole rows, with 16-byte
+// accesses whenever the row length allows.
+#include "cuda/cuda_common.cuh"
+#include "ops.h"
+
+namespace jax_moe {
+namespace {
+
+// One block per output row (grid-stride); `Unit` is the copy granule.
+template <typename Unit>
+__global__ void ExpandKernel(const Unit* __restrict__ x, const int32_t* __restrict__ dst_to_src,
+                             int64_t m, int64_t units_per_row, int64_t limit, int64_t topk,
+                             Unit* __restrict__ out) {
+  for (int64_t i = blockIdx.x; i < m; i += gridDim.x) {
+    const int64_t s = dst_to_src[i];
+    Unit* dst = out + i * units_per_row;
+    if (s >= 0 && s < limit) {
+      const Unit* src = x + (s / topk) * units_per_row;
+      for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) dst[u] = src[u];
+    } else {
+      for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) dst[u] = Unit{};
+    }
+  }
+}
+
+template <typename Unit>
+ffi::Error LaunchExpand(cudaStream_t stream, const void* x, const int32_t* d2s, int64_t m,
+                        int64_t row_bytes, int64_t limit, int64_t topk, void* out) {
+  const int64_t units = row_bytes / static_cast<int64_t>(sizeof(Unit));
+  const int threads = units >= 256 ? 256 : (units >= 128 ? 128 : 64);
+  ExpandKernel<Unit><<<GridFor(m, 1, 1u << 20), threads, 0, stream>>>(
+      static_cast<const Unit*>(x), d2s, m, units, limit, topk, static_cast<Unit*>(out));
+  return LastCudaError("moe_expand_input launch");
+}
+
+ffi::Error ExpandCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> dst_to_src,
+                      int64_t topk, ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t tokens = LeadingRows(x.dimensions());
+  const int64_t hidden = LastDim(x.dimensions());
+  const int64_t m = dst_to_src.element_count();
+  if (topk < 1) return InvalidArg("moe_expand_input: topk must be >= 1");
+  if (!IsFloatType(x.element_type())) return InvalidArg("moe_expand_input: x must be f32, bf16 or f16");
+  if (out->element_count() != static_cast<size_t>(m * hidden) ||
+      out->element_type() != x.element_type())
+    return InvalidArg("moe_expand_input: output must be (len(dst_to_src), H) of x's dtype");
+  if (m == 0 || hidden == 0) return ffi::Error::Success();
+  const int64_t row_bytes = hidden * ffi::ByteWidth(x.element_type());
+  const int64_t limit = tokens * topk;
+  if (row_bytes % 16 == 0)
+    return LaunchExpand<uint4>(stream, x.untyped_data(), dst_to_src.typed_data(), m, row_bytes,
+                               limit, topk, out->untyped_data());
+  if (row_bytes % 4 == 0)
+    return LaunchExpand<uint32_t>(stream, x.untyped_data(), dst_to_src.typed_data(), m,
+                                  row_bytes, limit, topk, out->untyped_data());
+  return LaunchExpand<uint16_t>(stream, x.untyped_data(), dst_to_src.typed_data(), m, row_bytes,
+                                limit, topk, out->untyped_data());
+}
+
+// One block per token (grid-stride); each thread owns VEC consecutive columns
+// and sums the k expert rows in slot order: a fixed order, so bitwise
+// reproducible.
+template <ffi::DataType DT, int VEC>
+__global__ void CombineKernelT(const typename DevScalar<DT>::T* __restrict__ y,
+                               const float* __restrict__ w, const int32_t* __restrict__ s2d,
+                               int64_t tokens, int k, int64_t m, int64_t hidden,
+                               typename DevScalar<DT>::T* __restrict__ out) {
+  using S = DevScalar<DT>;
+  using T = typename S::T;
+  static_assert(sizeof(T) * VEC == 16 || VEC == 1, "16-byte vectors or scalars");
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    for (int64_t h = static_cast<int64_t>(threadIdx.x) * VEC; h < hidden;
+         h += static_cast<int64_t>(blockDim.x) * VEC) {
+      float acc[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
+      for (int j = 0; j < k; ++j) {
+        const int64_t r = s2d[t * k + j];
+        if (r < 0 || r >= m) continue;  // not routed here: counts as zero
+        const float wt = w[t * k + j];
+        T vals[VEC];
+        if constexpr (VEC == 1) {
+          vals[0] = y[r * hidden + h];
+        } else {
+          *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(y + r * hidden + h);
+        }
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] += wt * S::Load(vals[v]);
+      }
+      T res[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) res[v] = S::Store(acc[v]);
+      if constexpr (VEC == 1) {
+        out[t * hidden + h] = res[0];
+      } else {
+        *reinterpret_cast<uint4*>(out + t * hidden + h) = *reinterpret_cast<uint4*>(res);
+      }
+    }
+  }
+}
+
+ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
+                       ffi::Buffer<ffi::S32> src_to_dst, ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t m = LeadingRows(y.dimensions());
+  const int64_t hidden = LastDim(y.dimensions());
+  const int64_t k = LastDim(weights.dimensions());
+  const int64_t tokens = LeadingRows(weights.dimensions());
+  if (static_cast<int64_t>(src_to_dst.element_count()) != tokens * k)
+    return InvalidArg("moe_combine: src_to_dst must have T*topk entries");
+  if (out->element_count() != static_cast<size_t>(tokens * hidden) ||
+      out->element_type() != y.element_type())
+    return InvalidArg("moe_combine: output must be (T, H) of y's dtype");
+  if (tokens == 0 || hidden == 0) return ffi::Error::Success();
+  return DispatchFloat(y.element_type(), "y", [&]<ffi::DataType DT>() {
+    using T = typename DevScalar<DT>::T;
+    constexpr int kVec = 16 / sizeof(T);
+    const auto* yp = static_cast<const T*>(y.untyped_data());
+    auto* op = static_cast<T*>(out->untyped_data());
+    const unsigned grid = GridFor(tokens, 1, 1u << 20);
+    if (hidden % kVec == 0) {
+      const int threads = hidden / kVec >= 256 ? 256 : 64;
+      CombineKernelT<DT, kVec><<<grid, threads, 0, stream>>>(
+          yp, weights.typed_data(), src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
+          hidden, op);
+    } else {
+      CombineKernelT<DT, 1><<<grid, 128, 0, stream>>>(
+          yp, weights.typed_data(), src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
+          hidden, op);
+    }
+    return LastCudaError("moe_combine launch");
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpandCuda, ExpandCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("topk")
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineCuda, CombineCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_moe

@@ -1,0 +1,148 @@
+// Step 2 on the GPU: a stable counting sort of the flat (token, slot) entries
+// by local expert id, in three launches with no host round trip:
+//   count : per-chunk histograms           -> scratch[chunk][expert]
+//   scan  : per-expert totals (expert_sizes), exclusive offsets, and each
+//           chunk's first slot per expert  -> scratch[chunk][expert]
+//   place : one warp per chunk walks its entries in order; lanes with the same
+//           expert get consecutive slots via __match_any_sync, so the order
+//           inside an expert is the flat order (stable), as on the CPU.
+// scratch[chunks * local] holds the number of placed rows, so `place` can
+// mark the unused tail of dst_to_src with -1.
+#include "cuda/cuda_common.cuh"
+#include "ops.h"
+
+namespace jax_moe {
+namespace {
+
+__device__ __forceinline__ int LocalId(int32_t id, int64_t start, int local) {
+  int64_t e = static_cast<int64_t>(id) - start;
+  return (e >= 0 && e < local) ? static_cast<int>(e) : -1;
+}
+
+__global__ void CountKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
+                            int local, int32_t* __restrict__ scratch) {
+  extern __shared__ int32_t hist[];
+  for (int e = threadIdx.x; e < local; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kIndexChunk;
+  for (int64_t i = begin + threadIdx.x; i < begin + kIndexChunk && i < n; i += blockDim.x) {
+    int e = LocalId(ids[i], start, local);
+    if (e >= 0) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  int32_t* out = scratch + static_cast<int64_t>(blockIdx.x) * local;
+  for (int e = threadIdx.x; e < local; e += blockDim.x) out[e] = hist[e];
+}
+
+__global__ void ScanKernel(int64_t chunks, int local, int32_t* __restrict__ scratch,
+                           int32_t* __restrict__ sizes) {
+  extern __shared__ int32_t offset[];
+  for (int e = threadIdx.x; e < local; e += blockDim.x) {
+    int32_t total = 0;
+#pragma unroll 8  // independent loads in flight; only the sum is serial
+    for (int64_t c = 0; c < chunks; ++c) total += scratch[c * local + e];
+    sizes[e] = total;
+    offset[e] = total;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive prefix over experts: O(E), E is small
+    int32_t run = 0;
+    for (int e = 0; e < local; ++e) {
+      int32_t v = offset[e];
+      offset[e] = run;
+      run += v;
+    }
+    scratch[chunks * local] = run;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < local; e += blockDim.x) {
+    int32_t run = offset[e];
+#pragma unroll 8
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t v = scratch[c * local + e];
+      scratch[c * local + e] = run;
+      run += v;
+    }
+  }
+}
+
+__global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
+                            int local, const int32_t* __restrict__ scratch,
+                            int64_t chunks, int32_t* __restrict__ src_to_dst,
+                            int32_t* __restrict__ dst_to_src) {
+  extern __shared__ int32_t base[];  // next free slot per expert for this chunk
+  const int lane = threadIdx.x;      // one warp per block
+  const int64_t c = blockIdx.x;
+  for (int e = lane; e < local; e += 32) base[e] = scratch[c * local + e];
+  __syncwarp();
+  const int64_t begin = c * kIndexChunk;
+  const int64_t end = min(begin + kIndexChunk, n);
+  for (int64_t i0 = begin; i0 < end; i0 += 32) {
+    const int64_t i = i0 + lane;
+    const int e = i < end ? LocalId(ids[i], start, local) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(same & ((1u << lane) - 1u));
+    if (e >= 0) {
+      const int32_t pos = base[e] + rank;
+      src_to_dst[i] = pos;
+      dst_to_src[pos] = static_cast<int32_t>(i);
+    } else if (i < end) {
+      src_to_dst[i] = -1;
+    }
+    __syncwarp();
+    if (e >= 0 && rank == 0) base[e] += __popc(same);
+    __syncwarp();
+  }
+  const int32_t total = scratch[chunks * local];
+  for (int64_t p = begin + lane; p < end; p += 32)
+    if (p >= total) dst_to_src[p] = -1;
+}
+
+ffi::Error TokenIndexCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
+                          int64_t num_experts, int64_t start_expert,
+                          ffi::Result<ffi::Buffer<ffi::S32>> src_to_dst,
+                          ffi::Result<ffi::Buffer<ffi::S32>> dst_to_src,
+                          ffi::Result<ffi::Buffer<ffi::S32>> expert_sizes,
+                          ffi::Result<ffi::Buffer<ffi::S32>> scratch) {
+  const int64_t n = topk_ids.element_count();
+  const int64_t local = expert_sizes->element_count();
+  if (static_cast<int64_t>(src_to_dst->element_count()) != n ||
+      static_cast<int64_t>(dst_to_src->element_count()) != n)
+    return InvalidArg("moe_compute_token_index: index outputs must have T*topk entries");
+  if (start_expert < 0 || start_expert + local > num_experts)
+    return InvalidArg("moe_compute_token_index: local expert range outside [0, num_experts)");
+  if (n >= (int64_t{1} << 31)) return InvalidArg("moe_compute_token_index: T*topk must be < 2^31");
+  const int64_t chunks = (n + kIndexChunk - 1) / kIndexChunk;
+  if (static_cast<int64_t>(scratch->element_count()) < IndexScratchSize(n, local))
+    return InvalidArg("moe_compute_token_index: scratch buffer too small");
+  const size_t smem = sizeof(int32_t) * local;
+  if (smem > 48 * 1024) return InvalidArg("moe_compute_token_index: at most 12288 local experts on CUDA");
+  if (chunks > 0x7fffffff) return InvalidArg("moe_compute_token_index: too many entries");
+  const int lc = static_cast<int>(local);
+  int32_t* s = scratch->typed_data();
+  if (chunks > 0)
+    CountKernel<<<static_cast<unsigned>(chunks), 256, smem, stream>>>(
+        topk_ids.typed_data(), n, start_expert, lc, s);
+  ScanKernel<<<1, 256, smem, stream>>>(chunks, lc, s, expert_sizes->typed_data());
+  if (chunks > 0)
+    PlaceKernel<<<static_cast<unsigned>(chunks), 32, smem, stream>>>(
+        topk_ids.typed_data(), n, start_expert, lc, s, chunks,
+        src_to_dst->typed_data(), dst_to_src->typed_data());
+  return LastCudaError("moe_compute_token_index launch");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCuda, TokenIndexCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("start_expert")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_moe
