@@ -70,3 +70,79 @@ def ids_in_range(topk_ids, num_experts: int) -> None:
             raise ValueError(
                 f"topk_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]"
             )
+
+
+# ---- per-op argument checks: ops.py and reference.py share these ----------
+
+def topk_softmax_args(router_logits, topk_value) -> int:
+    rank(router_logits, "router_logits", 2)
+    float_dtype(router_logits, "router_logits")
+    return topk(topk_value, router_logits.shape[1])
+
+
+def token_index_args(topk_ids, num_experts, start_expert, num_local_experts):
+    """Returns (num_experts, start, local) as ints."""
+    rank(topk_ids, "topk_ids", 2)
+    int_dtype(topk_ids, "topk_ids")
+    num_experts = static_int(num_experts, "num_experts")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    start = static_int(start_expert, "start_expert")
+    local = num_experts - start if num_local_experts is None else static_int(
+        num_local_experts, "num_local_experts")
+    if start < 0 or local < 1 or start + local > num_experts:
+        raise ValueError(
+            f"start_expert={start}, num_local_experts={local} must describe a non-empty "
+            f"range inside [0, num_experts={num_experts})")
+    if int(np.prod(topk_ids.shape)) >= 2**31:
+        raise ValueError(f"topk_ids has {int(np.prod(topk_ids.shape))} entries; at most 2^31 - 1")
+    ids_in_range(topk_ids, num_experts)
+    return num_experts, start, local
+
+
+def expand_args(x, dst_to_src, topk_value) -> int:
+    rank(x, "x", 2)
+    float_dtype(x, "x")
+    rank(dst_to_src, "dst_to_src", 1)
+    int_dtype(dst_to_src, "dst_to_src")
+    k = static_int(topk_value, "topk")
+    if k < 1:
+        raise ValueError(f"topk must be >= 1, got {k}")
+    return k
+
+
+def group_gemm_args(x, w, expert_sizes) -> None:
+    rank(x, "x", 2)
+    rank(w, "w", 3)
+    rank(expert_sizes, "expert_sizes", 1)
+    float_dtype(x, "x")
+    same_dtype(x, "x", w, "w")
+    int_dtype(expert_sizes, "expert_sizes")
+    if w.shape[2] != x.shape[1]:
+        raise ValueError(f"w must be (E, N, K={x.shape[1]}) to match x, got {w.shape}")
+    if expert_sizes.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
+
+
+def gated_args(h, name: str) -> int:
+    code = activation(name)
+    if jnp.ndim(h) < 1:
+        raise ValueError("h must have at least one dimension")
+    float_dtype(h, "h")
+    if h.shape[-1] % 2:
+        raise ValueError(f"h's last dimension must be even (2*I), got {h.shape[-1]}")
+    return code
+
+
+def combine_args(y, topk_weights, src_to_dst) -> None:
+    rank(y, "y", 2)
+    float_dtype(y, "y")
+    rank(topk_weights, "topk_weights", 2)
+    float_dtype(topk_weights, "topk_weights")
+    rank(src_to_dst, "src_to_dst", 1)
+    int_dtype(src_to_dst, "src_to_dst")
+    tokens, k = topk_weights.shape
+    if src_to_dst.shape[0] != tokens * k:
+        raise ValueError(
+            f"src_to_dst must have T*topk={tokens * k} entries, got {src_to_dst.shape[0]}")

@@ -36,10 +36,8 @@ def topk_softmax(router_logits, topk: int, renormalize: bool = True):
 
     router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
     """
-    _checks.rank(router_logits, "router_logits", 2)
-    _checks.float_dtype(router_logits, "router_logits")
-    tokens, experts = router_logits.shape
-    k = _checks.topk(topk, experts)
+    k = _checks.topk_softmax_args(router_logits, topk)
+    tokens = router_logits.shape[0]
     call = jax.ffi.ffi_call(
         "jax_moe_topk_softmax",
         (_sds((tokens, k), jnp.float32), _sds((tokens, k), jnp.int32)),
@@ -58,19 +56,8 @@ def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0
     src_to_dst = -1, and dst_to_src is -1 past the last placed row. Within an
     expert, rows keep ascending flat index t*k + j.
     """
-    _checks.rank(topk_ids, "topk_ids", 2)
-    _checks.int_dtype(topk_ids, "topk_ids")
-    num_experts = _checks.static_int(num_experts, "num_experts")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    start = _checks.static_int(start_expert, "start_expert")
-    local = num_experts - start if num_local_experts is None else _checks.static_int(
-        num_local_experts, "num_local_experts")
-    if start < 0 or local < 1 or start + local > num_experts:
-        raise ValueError(
-            f"start_expert={start}, num_local_experts={local} must describe a non-empty "
-            f"range inside [0, num_experts={num_experts})")
-    _checks.ids_in_range(topk_ids, num_experts)
+    num_experts, start, local = _checks.token_index_args(
+        topk_ids, num_experts, start_expert, num_local_experts)
     n = int(np.prod(topk_ids.shape))
     chunks = -(-n // INDEX_CHUNK)
     call = jax.ffi.ffi_call(
@@ -88,13 +75,7 @@ def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0
 def moe_expand_input(x, dst_to_src, topk: int):
     """Step 3: row i of the result is x[dst_to_src[i] // topk] (zero where
     dst_to_src[i] is -1). x (T, H) -> (len(dst_to_src), H)."""
-    _checks.rank(x, "x", 2)
-    _checks.float_dtype(x, "x")
-    _checks.rank(dst_to_src, "dst_to_src", 1)
-    _checks.int_dtype(dst_to_src, "dst_to_src")
-    k = _checks.static_int(topk, "topk")
-    if k < 1:
-        raise ValueError(f"topk must be >= 1, got {k}")
+    k = _checks.expand_args(x, dst_to_src, topk)
     call = jax.ffi.ffi_call(
         "jax_moe_expand", _sds((dst_to_src.shape[0], x.shape[1]), x.dtype),
         vmap_method="sequential")
@@ -105,17 +86,7 @@ def group_gemm(x, w, expert_sizes):
     """Steps 4 and 6: rows of x grouped by expert in order; out[rows of e] =
     x[rows of e] @ w[e].T with f32 accumulation. x (M, K), w (E, N, K),
     expert_sizes (E,) -> (M, N) in x's dtype; rows past sum(expert_sizes) are 0."""
-    _checks.rank(x, "x", 2)
-    _checks.rank(w, "w", 3)
-    _checks.rank(expert_sizes, "expert_sizes", 1)
-    _checks.float_dtype(x, "x")
-    _checks.same_dtype(x, "x", w, "w")
-    _checks.int_dtype(expert_sizes, "expert_sizes")
-    if w.shape[2] != x.shape[1]:
-        raise ValueError(f"w must be (E, N, K={x.shape[1]}) to match x, got {w.shape}")
-    if expert_sizes.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
+    _checks.group_gemm_args(x, w, expert_sizes)
     call = jax.ffi.ffi_call(
         "jax_moe_group_gemm", _sds((x.shape[0], w.shape[1]), x.dtype),
         vmap_method="sequential")
@@ -125,12 +96,7 @@ def group_gemm(x, w, expert_sizes):
 def gated_activation(h, activation: str = "silu"):
     """Step 5: act(h[..., :I]) * h[..., I:], computed in f32, in h's dtype.
     activation: "silu", "gelu" (exact, erf) or "gelu_tanh"."""
-    code = _checks.activation(activation)
-    if jnp.ndim(h) < 1:
-        raise ValueError("h must have at least one dimension")
-    _checks.float_dtype(h, "h")
-    if h.shape[-1] % 2:
-        raise ValueError(f"h's last dimension must be even (2*I), got {h.shape[-1]}")
+    code = _checks.gated_args(h, activation)
     call = jax.ffi.ffi_call(
         "jax_moe_gated_act", _sds(h.shape[:-1] + (h.shape[-1] // 2,), h.dtype),
         vmap_method="broadcast_all")
@@ -151,16 +117,8 @@ def moe_combine(y, topk_weights, src_to_dst):
     """Step 7: out[t] = sum_j w[t, j] * y[src_to_dst[t*k + j]], accumulated in
     f32 in j order (bitwise reproducible); entries with src_to_dst = -1 count
     as zero. y (M, H), topk_weights (T, k) -> (T, H) in y's dtype."""
-    _checks.rank(y, "y", 2)
-    _checks.float_dtype(y, "y")
-    _checks.rank(topk_weights, "topk_weights", 2)
-    _checks.float_dtype(topk_weights, "topk_weights")
-    _checks.rank(src_to_dst, "src_to_dst", 1)
-    _checks.int_dtype(src_to_dst, "src_to_dst")
-    tokens, k = topk_weights.shape
-    if src_to_dst.shape[0] != tokens * k:
-        raise ValueError(
-            f"src_to_dst must have T*topk={tokens * k} entries, got {src_to_dst.shape[0]}")
+    _checks.combine_args(y, topk_weights, src_to_dst)
+    tokens = topk_weights.shape[0]
     call = jax.ffi.ffi_call(
         "jax_moe_combine", _sds((tokens, y.shape[1]), y.dtype), vmap_method="sequential")
     return call(y, topk_weights.astype(jnp.float32), src_to_dst.astype(jnp.int32))

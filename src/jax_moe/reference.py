@@ -25,9 +25,7 @@ __all__ = [
 
 
 def topk_softmax(router_logits, topk: int, renormalize: bool = True):
-    _checks.rank(router_logits, "router_logits", 2)
-    _checks.float_dtype(router_logits, "router_logits")
-    k = _checks.topk(topk, router_logits.shape[1])
+    k = _checks.topk_softmax_args(router_logits, topk)
     logits = router_logits.astype(jnp.float32)
     logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # as the kernels: NaN never wins
     probs = jax.nn.softmax(logits, axis=-1)
@@ -41,17 +39,8 @@ def topk_softmax(router_logits, topk: int, renormalize: bool = True):
 
 def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0,
                             num_local_experts: int | None = None):
-    _checks.rank(topk_ids, "topk_ids", 2)
-    _checks.int_dtype(topk_ids, "topk_ids")
-    num_experts = _checks.static_int(num_experts, "num_experts")
-    start = _checks.static_int(start_expert, "start_expert")
-    local = num_experts - start if num_local_experts is None else _checks.static_int(
-        num_local_experts, "num_local_experts")
-    if num_experts < 1 or start < 0 or local < 1 or start + local > num_experts:
-        raise ValueError(
-            f"start_expert={start}, num_local_experts={local} must describe a non-empty "
-            f"range inside [0, num_experts={num_experts})")
-    _checks.ids_in_range(topk_ids, num_experts)
+    _, start, local = _checks.token_index_args(
+        topk_ids, num_experts, start_expert, num_local_experts)
     flat = topk_ids.reshape(-1).astype(jnp.int32) - start
     n = flat.shape[0]
     valid = (flat >= 0) & (flat < local)
@@ -67,9 +56,7 @@ def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0
 
 
 def moe_expand_input(x, dst_to_src, topk: int):
-    _checks.rank(x, "x", 2)
-    _checks.rank(dst_to_src, "dst_to_src", 1)
-    k = _checks.static_int(topk, "topk")
+    k = _checks.expand_args(x, dst_to_src, topk)
     valid = (dst_to_src >= 0) & (dst_to_src < x.shape[0] * k)
     rows = x[jnp.where(valid, dst_to_src, 0) // k]
     return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
@@ -83,11 +70,7 @@ def _clamped_sizes(expert_sizes, m: int):
 
 def group_gemm(x, w, expert_sizes):
     """jax.lax.ragged_dot, accumulating in f32 (the pure-JAX grouped GEMM)."""
-    _checks.rank(x, "x", 2)
-    _checks.rank(w, "w", 3)
-    _checks.same_dtype(x, "x", w, "w")
-    if w.shape[2] != x.shape[1] or expert_sizes.shape != (w.shape[0],):
-        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape}, expert_sizes {expert_sizes.shape}")
+    _checks.group_gemm_args(x, w, expert_sizes)
     sizes = _clamped_sizes(expert_sizes, x.shape[0])
     out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes,
                              preferred_element_type=jnp.float32)
@@ -106,9 +89,7 @@ def _act(g, activation: str):
 
 
 def gated_activation(h, activation: str = "silu"):
-    _checks.activation(activation)
-    if h.shape[-1] % 2:
-        raise ValueError(f"h's last dimension must be even (2*I), got {h.shape[-1]}")
+    _checks.gated_args(h, activation)
     inter = h.shape[-1] // 2
     hf = h.astype(jnp.float32)
     return (_act(hf[..., :inter], activation) * hf[..., inter:]).astype(h.dtype)
@@ -123,12 +104,9 @@ def gelu_and_mul(h, approximate: bool = False):
 
 
 def moe_combine(y, topk_weights, src_to_dst):
-    _checks.rank(y, "y", 2)
-    _checks.rank(topk_weights, "topk_weights", 2)
+    _checks.combine_args(y, topk_weights, src_to_dst)
     tokens, k = topk_weights.shape
-    if src_to_dst.shape != (tokens * k,):
-        raise ValueError(f"src_to_dst must have T*topk={tokens * k} entries, got {src_to_dst.shape}")
     valid = (src_to_dst >= 0) & (src_to_dst < y.shape[0])
-    rows = y[jnp.where(valid, src_to_dst, 0)].astype(jnp.float32).reshape(tokens, k, -1)
+    rows = y[jnp.where(valid, src_to_dst, 0)].astype(jnp.float32).reshape(tokens, k, y.shape[1])
     w = jnp.where(valid.reshape(tokens, k), topk_weights.astype(jnp.float32), 0.0)
     return jnp.sum(rows * w[..., None], axis=1).astype(y.dtype)
