@@ -2,7 +2,11 @@
 
 from jax_moe import ops, reference
 from jax_moe._ffi import HAS_CUDA
+from jax_moe.parallel import moe_forward_sharded, moe_shardings
 from jax_moe.pipeline import MoEConfig, MoELayer, moe_forward
 
-__all__ = ["ops", "reference", "moe_forward", "MoEConfig", "MoELayer", "HAS_CUDA"]
+__all__ = [
+    "ops", "reference", "moe_forward", "moe_forward_sharded", "moe_shardings",
+    "MoEConfig", "MoELayer", "HAS_CUDA",
+]
 __version__ = "0.1.0"
