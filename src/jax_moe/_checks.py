@@ -14,6 +14,10 @@ import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+# The CUDA router and index kernels keep one row of per-expert state in shared
+# memory (csrc/cuda/router.cu, token_index.cu); the same bound holds on every
+# platform so that a program never works on the CPU and fails on the GPU.
+MAX_EXPERTS = 3072
 
 
 def rank(x, name: str, want: int) -> None:
@@ -41,6 +45,11 @@ def static_int(value, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be a Python int (a static argument), got {value!r}") from None
+
+
+def num_experts_bound(num_experts: int, name: str) -> None:
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"{name}={num_experts}: at most {MAX_EXPERTS} experts are supported")
 
 
 def topk(value, num_experts: int) -> int:
@@ -77,6 +86,7 @@ def ids_in_range(topk_ids, num_experts: int) -> None:
 def topk_softmax_args(router_logits, topk_value) -> int:
     rank(router_logits, "router_logits", 2)
     float_dtype(router_logits, "router_logits")
+    num_experts_bound(router_logits.shape[1], "router_logits' E")
     return topk(topk_value, router_logits.shape[1])
 
 
@@ -87,6 +97,7 @@ def token_index_args(topk_ids, num_experts, start_expert, num_local_experts):
     num_experts = static_int(num_experts, "num_experts")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    num_experts_bound(num_experts, "num_experts")
     start = static_int(start_expert, "start_expert")
     local = num_experts - start if num_local_experts is None else static_int(
         num_local_experts, "num_local_experts")

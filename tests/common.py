@@ -1,0 +1,165 @@
+"""Helpers shared by the test modules: dtypes, tolerances, random inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import reference
+
+FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
+
+# Tolerances, relative. Wherever two implementations are compared, both
+# accumulate in f32 and round once to the output dtype, so they can differ by
+# one unit in the last place of that dtype (a rounding flip), plus f32
+# accumulation-order noise:
+#   bf16: 8 significant bits, one ulp is 2^-8..2^-7 (3.9e-3..7.8e-3) of |x|  -> 1e-2
+#   f16: 11 significant bits, one ulp is 2^-11..2^-10 (4.9e-4..9.8e-4)       -> 2e-3
+#   f32: no final rounding gap, only summation order (~sqrt(K) * 2^-24)      -> 1e-5
+# Per element we allow |a - b| <= rtol * (|b| + rms(b)): the rms term absorbs
+# results that are small only because of cancellation (a dot product of
+# random signs near zero), whose absolute error scales with the operands, not
+# with the result.
+RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}
+
+
+def rtol_for(dtype):
+    return RTOL[jnp.dtype(dtype)]
+
+
+def to_f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def assert_close(actual, desired, dtype, what="", rtol=None, atol=0.0):
+    """Per-element comparison with the dtype's tolerance (see RTOL); `atol`
+    (scalar or per element) is added to the bound."""
+    a, d = to_f64(actual), to_f64(desired)
+    assert a.shape == d.shape, f"{what}: shape {a.shape} != {d.shape}"
+    assert np.all(np.isfinite(a)), f"{what}: non-finite values in the result"
+    rtol = rtol_for(dtype) if rtol is None else rtol
+    scale = np.sqrt(np.mean(d**2)) if d.size else 0.0
+    err = np.abs(a - d)
+    bound = rtol * (np.abs(d) + scale) + atol
+    bad = err > bound
+    if np.any(bad):
+        idx = tuple(np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.size} elements differ beyond rtol={rtol}; "
+            f"first at {idx}: got {a[idx]!r}, want {d[idx]!r} (max abs err {err.max():.3g}, "
+            f"rms of desired {scale:.3g})")
+
+
+def rel_err(actual, desired):
+    """||a - b|| / ||b|| over the whole array (float64)."""
+    a, d = to_f64(actual), to_f64(desired)
+    return float(np.linalg.norm(a - d) / max(np.linalg.norm(d), 1e-30))
+
+
+def assert_equal(actual, desired, what=""):
+    """Exact equality (integers, or float copies), bit patterns for floats."""
+    a, d = np.asarray(actual), np.asarray(desired)
+    assert a.shape == d.shape, f"{what}: shape {a.shape} != {d.shape}"
+    assert a.dtype == d.dtype, f"{what}: dtype {a.dtype} != {d.dtype}"
+    if a.dtype.kind == "f" or a.dtype.name in ("bfloat16",):
+        a = a.view(np.dtype(f"u{a.dtype.itemsize}"))
+        d = d.view(np.dtype(f"u{d.dtype.itemsize}"))
+    if not np.array_equal(a, d):
+        bad = np.argwhere(a != d)
+        raise AssertionError(
+            f"{what}: {len(bad)}/{a.size} entries differ; first at {tuple(bad[0])}: "
+            f"got {a[tuple(bad[0])]!r}, want {d[tuple(bad[0])]!r}")
+
+
+def normal(rng, shape, dtype, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype=dtype)
+
+
+def random_ids(rng, tokens, topk, num_experts, allowed=None):
+    """(T, k) int32 ids, distinct within a row (as the router makes them), drawn
+    only from `allowed` experts (default: all) with random preferences."""
+    scores = rng.gumbel(size=(tokens, num_experts)) + rng.normal(size=num_experts)
+    if allowed is not None:
+        mask = np.zeros(num_experts, bool)
+        mask[list(allowed)] = True
+        assert mask.sum() >= topk
+        scores = np.where(mask, scores, -np.inf)
+    return np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int32)
+
+
+def routing_allowed(pattern, num_experts, topk, rng):
+    """The experts a routing pattern may use (None: all of them)."""
+    e = num_experts
+    if pattern == "uniform":
+        return None
+    if pattern == "one_set":  # every token on the same k experts (k=1: one expert)
+        return rng.choice(e, size=topk, replace=False)
+    if pattern == "empty_edges":  # first, a middle and the last expert get nothing
+        empty = {0, e // 2, e - 1}
+        allowed = [i for i in range(e) if i not in empty]
+        return allowed if len(allowed) >= topk else None
+    raise ValueError(pattern)
+
+
+def router_logits(rng, tokens, num_experts, dtype, allowed=None):
+    """Random logits; experts outside `allowed` are pushed far down so they are
+    never picked (as long as topk <= len(allowed))."""
+    logits = rng.standard_normal((tokens, num_experts)) * 2.0
+    if allowed is not None:
+        mask = np.zeros(num_experts, bool)
+        mask[list(allowed)] = True
+        logits = np.where(mask, logits, logits - 40.0)
+    return jnp.asarray(logits, dtype=dtype)
+
+
+def split_rows(rng, rows, num_experts, pattern):
+    """expert_sizes (E,) int32 for group_gemm: a random split of `rows` (or fewer)."""
+    e = num_experts
+    used = rows
+    allowed = np.ones(e, bool)
+    if pattern == "random":
+        pass
+    elif pattern == "partial":  # sum(sizes) < M: the tail rows must come out zero
+        used = int(rng.integers(0, rows)) if rows > 0 else 0
+    elif pattern == "empty_first":
+        allowed[0] = False
+    elif pattern == "empty_middle":
+        allowed[e // 2] = False
+    elif pattern == "empty_last":
+        allowed[-1] = False
+    elif pattern == "empty_first_middle_last":
+        allowed[[0, e // 2, e - 1]] = False
+    elif pattern == "all_in_one":
+        allowed[:] = False
+        allowed[rng.integers(e)] = True
+    elif pattern == "none":
+        used = 0
+    else:
+        raise ValueError(pattern)
+    if not allowed.any():  # E too small for the pattern: fall back to all experts
+        allowed[:] = True
+    p = allowed / allowed.sum()
+    return rng.multinomial(used, p).astype(np.int32)
+
+
+# The reference ops, jitted once (their static arguments named), so that
+# the many shapes of the grids cost one compile each instead of one per jnp op.
+ref = type("ref", (), {})()
+ref.topk_softmax = jax.jit(reference.topk_softmax, static_argnames=("topk", "renormalize"))
+ref.moe_compute_token_index = jax.jit(
+    reference.moe_compute_token_index,
+    static_argnames=("num_experts", "start_expert", "num_local_experts"))
+ref.moe_expand_input = jax.jit(reference.moe_expand_input, static_argnames=("topk",))
+ref.group_gemm = jax.jit(reference.group_gemm)
+ref.gated_activation = jax.jit(reference.gated_activation, static_argnames=("activation",))
+ref.moe_combine = jax.jit(reference.moe_combine)
+
+
+def on_cpu(fn, *args, **kwargs):
+    """Runs fn with its array arguments on the CPU backend (the CPU FFI handlers)."""
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(a, cpu) if isinstance(a, (jax.Array, np.ndarray)) else a
+            for a in args]
+    with jax.default_device(cpu):
+        out = fn(*args, **kwargs)
+        return jax.block_until_ready(out)

@@ -1,0 +1,116 @@
+"""Plain-numpy oracles, written from DESIGN.md's seven-step contract.
+
+They never call jax_moe (neither ops.py nor reference.py), compute in float64
+and loop in the most obvious way, so that they check reference.py as much as
+the kernels. Inputs may be jax or numpy arrays of any float dtype (bf16 and
+f16 convert to float64 exactly).
+"""
+
+import math
+
+import numpy as np
+
+
+def f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def topk_softmax(logits, topk, renormalize=True):
+    """Softmax over experts, top-k by logit, ties to the lower expert id."""
+    logits = f64(logits)
+    # A stable sort of the negated logits puts equal logits in ascending id order.
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = z / z.sum(axis=-1, keepdims=True)
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids.astype(np.int32)
+
+
+def token_index(topk_ids, num_experts, start_expert=0, num_local_experts=None):
+    """Stable grouping of the flat (token, slot) entries by local expert."""
+    local = num_experts - start_expert if num_local_experts is None else num_local_experts
+    flat = np.asarray(topk_ids).reshape(-1).astype(np.int64)
+    n = flat.size
+    src_to_dst = np.full(n, -1, np.int32)
+    dst_to_src = np.full(n, -1, np.int32)
+    sizes = np.zeros(local, np.int32)
+    row = 0
+    for e in range(local):  # expert by expert, entries in ascending flat order
+        members = np.nonzero(flat == start_expert + e)[0]
+        sizes[e] = members.size
+        dst_to_src[row:row + members.size] = members
+        src_to_dst[members] = np.arange(row, row + members.size)
+        row += members.size
+    return src_to_dst, dst_to_src, sizes
+
+
+def expand(x, dst_to_src, topk):
+    x = np.asarray(x)
+    d2s = np.asarray(dst_to_src)
+    out = np.zeros((d2s.size, x.shape[1]), x.dtype)
+    for i, s in enumerate(d2s):
+        if s >= 0:
+            out[i] = x[s // topk]
+    return out
+
+
+def group_gemm(x, w, expert_sizes):
+    """Rows of x grouped by expert: out[rows of e] = x[rows of e] @ w[e].T (float64)."""
+    x, w = f64(x), f64(w)
+    out = np.zeros((x.shape[0], w.shape[1]))
+    start = 0
+    for e, size in enumerate(np.asarray(expert_sizes)):
+        out[start:start + size] = x[start:start + size] @ w[e].T
+        start += size
+    return out
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def activation(g, name):
+    if name == "silu":
+        return g / (1.0 + np.exp(-g))
+    if name == "gelu":
+        return 0.5 * g * (1.0 + _erf(g / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    raise ValueError(name)
+
+
+def gated_activation(h, name="silu"):
+    h = f64(h)
+    inter = h.shape[-1] // 2
+    return activation(h[..., :inter], name) * h[..., inter:]
+
+
+def combine(y, topk_weights, src_to_dst):
+    """out[t] = sum_j w[t, j] * y[src_to_dst[t*k + j]]; -1 entries add nothing."""
+    y, w = f64(y), f64(topk_weights)
+    s2d = np.asarray(src_to_dst).reshape(w.shape)
+    out = np.zeros((w.shape[0], y.shape[1]))
+    for j in range(w.shape[1]):  # vectorised over tokens, looped over slots
+        routed = s2d[:, j] >= 0
+        out[routed] += w[routed, j, None] * y[s2d[routed, j]]
+    return out
+
+
+def moe_forward(hidden_states, router_logits, w13, w2, topk, renormalize=True,
+                activation_name="silu", shared_expert_output=None):
+    """The whole layer, token by token, without any grouping or index step:
+    out[t] = sum_j w[t,j] * w2[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t,j]."""
+    x, w13, w2 = f64(hidden_states), f64(w13), f64(w2)
+    weights, ids = topk_softmax(router_logits, topk, renormalize)
+    inter = w13.shape[1] // 2
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(topk):
+            e = ids[t, j]
+            h = w13[e] @ x[t]
+            a = activation(h[:inter], activation_name) * h[inter:]
+            out[t] += weights[t, j] * (w2[e] @ a)
+    if shared_expert_output is not None:
+        out += f64(shared_expert_output)
+    return out

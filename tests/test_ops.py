@@ -1,0 +1,568 @@
+"""Each op of jax_moe.ops against its twin in jax_moe.reference and against the
+plain-numpy oracle (tests/oracle.py), on fresh random inputs.
+
+Runs on the default backend: the CPU handlers here, the CUDA ones under
+JAX_PLATFORMS=cuda. The `gpu` tests also compare CUDA with the CPU handlers.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from common import (DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu,
+                    random_ids, ref, routing_allowed, split_rows)
+from jax_moe import ops
+
+dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
+
+
+def test_host_platform_has_eight_devices():
+    # conftest.py sets --xla_force_host_platform_device_count=8 for shard_map tests.
+    assert len(jax.devices("cpu")) == 8
+
+
+# ---------------------------------------------------------------- step 1: router
+
+TOPK_SHAPES = [  # (T, E, k)
+    (1, 1, 1),      # one token, one expert
+    (1, 8, 8),      # topk = E
+    (5, 8, 1),
+    (33, 8, 2),
+    (130, 64, 6),
+    (257, 13, 13),  # odd E, topk = E
+    (64, 160, 8),
+    (32, 256, 8),
+    (8, 1000, 10),
+]
+
+
+@dtypes
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("shape", TOPK_SHAPES, ids=str)
+def test_topk_softmax(rng, shape, dtype, renormalize):
+    tokens, experts, k = shape
+    logits = normal(rng, (tokens, experts), dtype, scale=2.0)
+    weights, ids = ops.topk_softmax(logits, k, renormalize)
+    assert weights.shape == (tokens, k) and weights.dtype == jnp.float32
+    assert ids.shape == (tokens, k) and ids.dtype == jnp.int32
+
+    ref_w, ref_ids = ref.topk_softmax(logits, k, renormalize)
+    np_w, np_ids = oracle.topk_softmax(logits, k, renormalize)
+    # Low-precision logits can tie; both sides break ties to the lower id, so ids match exactly.
+    assert_equal(ids, ref_ids, "ids vs reference")
+    assert_equal(ids, np_ids, "ids vs numpy oracle")
+    # The weights are f32 whatever the logits' dtype (bf16/f16 logits convert exactly).
+    assert_close(weights, ref_w, jnp.float32, "weights vs reference")
+    assert_close(weights, np_w, jnp.float32, "weights vs numpy oracle")
+    if renormalize:
+        np.testing.assert_allclose(np.asarray(weights).sum(axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_topk_all_equal_logits_pick_lowest_ids(rng, impl, k):
+    experts, tokens = 8, 17
+    value = rng.standard_normal((tokens, 1))
+    logits = jnp.asarray(np.broadcast_to(value, (tokens, experts)), jnp.float32)
+    fn = ops.topk_softmax if impl == "ffi" else ref.topk_softmax
+    for renormalize, weight in ((True, 1.0 / k), (False, 1.0 / experts)):
+        weights, ids = fn(logits, k, renormalize)
+        assert_equal(ids, np.broadcast_to(np.arange(k, dtype=np.int32), (tokens, k)),
+                     "ties go to the lower expert id")
+        np.testing.assert_allclose(np.asarray(weights), weight, rtol=1e-6)
+
+
+@dtypes
+def test_topk_with_many_ties_matches_stable_sort(rng, dtype):
+    # Integer logits from a small range: most rows have ties at the k-th place.
+    logits = jnp.asarray(rng.integers(-2, 3, size=(300, 16)), dtype)
+    np_w, np_ids = oracle.topk_softmax(logits, 5, True)
+    for fn in (ops.topk_softmax, ref.topk_softmax):
+        weights, ids = fn(logits, 5, True)
+        assert_equal(ids, np_ids, f"{fn}: ids vs stable argsort")
+        assert_close(weights, np_w, jnp.float32, f"{fn}: weights")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_topk_softmax_many_tokens(rng, dtype):
+    tokens, experts, k = 20_000, 16, 4  # T*k = 80,000 > 65,536
+    logits = normal(rng, (tokens, experts), dtype, scale=2.0)
+    weights, ids = ops.topk_softmax(logits, k)
+    np_w, np_ids = oracle.topk_softmax(logits, k)
+    assert_equal(ids, np_ids, "ids")
+    assert_close(weights, np_w, jnp.float32, "weights")
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_topk_masked_experts_are_never_picked(rng, impl):
+    # -inf logits (masked experts) get weight 0 and are not chosen while enough
+    # finite experts remain.
+    logits = rng.standard_normal((50, 8)).astype(np.float32)
+    masked = rng.choice(8, size=3, replace=False)
+    logits[:, masked] = -np.inf
+    fn = ops.topk_softmax if impl == "ffi" else ref.topk_softmax
+    weights, ids = fn(jnp.asarray(logits), 5, False)
+    np_w, np_ids = oracle.topk_softmax(logits, 5, False)
+    assert not np.isin(np.asarray(ids), masked).any()
+    assert_equal(ids, np_ids, "ids")
+    assert_close(weights, np_w, jnp.float32, "weights")
+
+
+@dtypes
+def test_topk_large_logits(rng, dtype):
+    # |logits| up to ~4000: the softmax must subtract the row max (no overflow).
+    logits = normal(rng, (64, 16), dtype, scale=1000.0)
+    weights, ids = ops.topk_softmax(logits, 4, False)
+    np_w, np_ids = oracle.topk_softmax(logits, 4, False)
+    assert_equal(ids, np_ids, "ids")
+    assert_close(weights, np_w, jnp.float32, "weights")
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_topk_nan_logits_are_never_picked(rng, impl):
+    # The kernels treat a NaN logit as -inf (never preferred); reference.py too.
+    logits = rng.standard_normal((40, 8)).astype(np.float32)
+    nan_at = rng.random((40, 8)) < 0.3
+    nan_at[:, :4] = False  # at least four finite experts per row
+    logits[nan_at] = np.nan
+    fn = ops.topk_softmax if impl == "ffi" else ref.topk_softmax
+    weights, ids = fn(jnp.asarray(logits), 4, True)
+    np_w, np_ids = oracle.topk_softmax(np.where(nan_at, -np.inf, logits), 4, True)
+    assert not np.take_along_axis(nan_at, np.asarray(ids), axis=1).any()
+    assert_equal(ids, np_ids, "ids")
+    assert np.all(np.isfinite(np.asarray(weights)))
+    assert_close(weights, np_w, jnp.float32, "weights")
+
+
+# ----------------------------------------------------------------- step 2: index
+
+INDEX_SHAPES = [  # (T, k, E)
+    (1, 1, 1),
+    (1, 4, 4),       # topk = E
+    (7, 2, 8),
+    (128, 2, 8),     # T*k = 256: exactly one index chunk
+    (129, 2, 8),     # one past a chunk
+    (300, 8, 64),
+    (1000, 6, 160),
+    (1000, 8, 2048),  # many experts, most of them empty
+    (17_000, 4, 8),  # T*k = 68,000 > 65,536
+]
+
+
+def _index_ids(rng, pattern, tokens, k, experts):
+    if pattern == "repeats":  # arbitrary ids, repeated within a row too
+        return rng.integers(0, experts, size=(tokens, k)).astype(np.int32)
+    if pattern == "one_expert":  # every entry on one expert
+        return np.full((tokens, k), rng.integers(experts), np.int32)
+    return random_ids(rng, tokens, k, experts, routing_allowed(pattern, experts, k, rng))
+
+
+def _check_index(ids, experts, start=0, local=None, got=None):
+    """Compares got (or ops' result) with reference.py and the oracle, exactly."""
+    kwargs = dict(start_expert=start, num_local_experts=local)
+    if got is None:
+        got = ops.moe_compute_token_index(jnp.asarray(ids), experts, **kwargs)
+    want_ref = ref.moe_compute_token_index(jnp.asarray(ids), experts, **kwargs)
+    want_np = oracle.token_index(ids, experts, start, local)
+    for name, g, r, o in zip(("src_to_dst", "dst_to_src", "expert_sizes"), got, want_ref, want_np):
+        assert g.dtype == jnp.int32, name
+        assert_equal(g, r, f"{name} vs reference")
+        assert_equal(g, o, f"{name} vs numpy oracle")
+    return got
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "one_set", "empty_edges", "repeats", "one_expert"])
+@pytest.mark.parametrize("shape", INDEX_SHAPES, ids=str)
+def test_token_index(rng, shape, pattern):
+    tokens, k, experts = shape
+    ids = _index_ids(rng, pattern, tokens, k, experts)
+    s2d, d2s, sizes = _check_index(ids, experts)
+    # Every entry is local here: a permutation, and the sizes are a histogram.
+    assert_equal(np.sort(np.asarray(d2s)), np.arange(tokens * k, dtype=np.int32), "d2s is a permutation")
+    assert_equal(sizes, np.bincount(ids.ravel(), minlength=experts).astype(np.int32), "histogram")
+
+
+LOCAL_RANGES = [  # (E, start_expert, num_local_experts)
+    (8, 0, 8), (8, 0, 3), (8, 3, 2), (8, 5, 3), (8, 7, 1), (8, 2, None), (64, 16, 16), (1, 0, 1)]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (9, 2), (129, 2), (500, 4)], ids=str)
+@pytest.mark.parametrize("local_range", LOCAL_RANGES, ids=str)
+def test_token_index_local_experts(rng, local_range, shape):
+    experts, start, local = local_range
+    tokens, k = shape
+    k = min(k, experts)
+    ids = random_ids(rng, tokens, k, experts)
+    s2d, d2s, sizes = _check_index(ids, experts, start, local)
+    # The contract, stated on the inputs: entries outside the local range are
+    # not placed, and dst_to_src is -1 past the placed rows.
+    stop = experts if local is None else start + local
+    outside = (ids.ravel() < start) | (ids.ravel() >= stop)
+    placed = int((~outside).sum())
+    assert np.all(np.asarray(s2d)[outside] == -1)
+    assert np.all(np.asarray(s2d)[~outside] >= 0)
+    assert np.all(np.asarray(d2s)[placed:] == -1)
+    assert int(np.asarray(sizes).sum()) == placed
+    assert sizes.shape == (stop - start,)
+
+
+@pytest.mark.parametrize("id_dtype", [jnp.int8, jnp.int16, jnp.uint8, jnp.uint32])
+def test_token_index_accepts_other_int_dtypes(rng, id_dtype):
+    ids = random_ids(rng, 50, 3, 12)
+    got = ops.moe_compute_token_index(jnp.asarray(ids, id_dtype), 12)
+    _check_index(ids, 12, got=got)
+
+
+def test_token_index_under_jit(rng):
+    ids = random_ids(rng, 700, 4, 32)
+    fn = jax.jit(ops.moe_compute_token_index, static_argnames=("num_experts", "start_expert",
+                                                               "num_local_experts"))
+    _check_index(ids, 32, 4, 20, got=fn(jnp.asarray(ids), 32, start_expert=4, num_local_experts=20))
+
+
+def test_token_index_under_jit_drops_out_of_range_ids(rng):
+    # Under jit the ids cannot be checked; the kernels leave out-of-range ids
+    # unplaced (src_to_dst -1), like ids of another rank's experts.
+    ids = rng.integers(-3, 12, size=(300, 2)).astype(np.int32)
+    fn = jax.jit(ops.moe_compute_token_index, static_argnames=("num_experts",))
+    _check_index(ids, 8, got=fn(jnp.asarray(ids), num_experts=8))
+
+
+# ---------------------------------------------------------------- step 3: expand
+
+EXPAND_SHAPES = [  # (T, k, H)
+    (1, 1, 1), (1, 4, 72), (33, 2, 130), (64, 8, 72), (17_000, 4, 8)]
+
+
+@dtypes
+@pytest.mark.parametrize("local", [False, True], ids=["all_local", "some_remote"])
+@pytest.mark.parametrize("shape", EXPAND_SHAPES, ids=str)
+def test_expand(rng, shape, dtype, local):
+    tokens, k, hidden = shape
+    experts = 8
+    ids = random_ids(rng, tokens, k, experts)
+    # "some_remote": experts 0 and 7 live elsewhere, so dst_to_src has a -1 tail.
+    start, count = (1, 6) if local else (0, experts)
+    _, d2s, _ = oracle.token_index(ids, experts, start, count)
+    x = normal(rng, (tokens, hidden), dtype)
+    got = ops.moe_expand_input(x, jnp.asarray(d2s), k)
+    assert got.shape == (tokens * k, hidden) and got.dtype == dtype
+    # A pure copy: bit-exact against both.
+    assert_equal(got, ref.moe_expand_input(x, jnp.asarray(d2s), k), "vs reference")
+    assert_equal(got, oracle.expand(x, d2s, k), "vs numpy oracle")
+
+
+# ----------------------------------------------------------- steps 4, 6: group GEMM
+
+GEMM_SHAPES = [  # (M, K, N, E)
+    (1, 8, 8, 1),
+    (7, 13, 7, 3),      # odd K and N
+    (64, 72, 130, 8),
+    (100, 130, 72, 4),
+    (33, 13, 7, 16),    # many experts for few rows: most groups empty or tiny
+    (256, 64, 32, 8),
+]
+SIZE_PATTERNS = ["random", "partial", "empty_first", "empty_middle", "empty_last",
+                 "empty_first_middle_last", "all_in_one", "none"]
+
+
+def _check_gemm(rng, m, k, n, experts, dtype, pattern):
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    sizes = split_rows(rng, m, experts, pattern)
+    got = ops.group_gemm(x, w, jnp.asarray(sizes))
+    assert got.shape == (m, n) and got.dtype == dtype
+    want_ref = ref.group_gemm(x, w, jnp.asarray(sizes))
+    assert_close(got, want_ref, dtype, f"vs reference, sizes={sizes}")
+    assert_close(got, oracle.group_gemm(x, w, sizes), dtype, f"vs numpy oracle, sizes={sizes}")
+    used = int(sizes.sum())
+    for name, out in (("ffi", got), ("reference", want_ref)):
+        tail = np.asarray(out)[used:].astype(np.float32)
+        assert np.all(tail == 0), f"{name}: rows past sum(expert_sizes)={used} must be zero"
+
+
+@dtypes
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=str)
+def test_group_gemm_shapes(rng, shape, dtype):
+    _check_gemm(rng, *shape, dtype, "random")
+
+
+@pytest.mark.sanitize
+@dtypes
+@pytest.mark.parametrize("pattern", SIZE_PATTERNS)
+def test_group_gemm_expert_sizes(rng, pattern, dtype):
+    _check_gemm(rng, 90, 72, 26, 7, dtype, pattern)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_group_gemm_many_rows(rng, dtype):
+    _check_gemm(rng, 70_000, 13, 7, 8, dtype, "empty_middle")  # M > 65,536, small N, K
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("sizes", [[90, 5, 0, 0], [5, -3, 70, 20], [-5, 10, 4, 100], [30, 30, 30, 30]],
+                         ids=["oversized_first", "negative", "negative_first_oversized_last", "sum_past_m"])
+def test_group_gemm_clamps_bad_sizes_like_reference(rng, sizes):
+    # Not part of the seven-step contract, but both backends promise never to
+    # index past their buffers: negative counts act as 0, and groups are cut
+    # at M. The FFI kernels must agree with reference.py's clamping.
+    x = normal(rng, (64, 24), jnp.float32)
+    w = normal(rng, (4, 10, 24), jnp.float32, 0.2)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    assert_close(ops.group_gemm(x, w, sizes), ref.group_gemm(x, w, sizes), jnp.float32)
+
+
+@pytest.mark.gpu
+@dtypes
+@pytest.mark.parametrize("k", [512, 517], ids=["K512", "K517_odd"])
+def test_cuda_group_gemm_large(rng, k, dtype):
+    # Several row tiles per expert, a K loop of many stages, N not a multiple of
+    # the tile: the GPU kernel's full tile schedule, against the CPU handler
+    # and the reference (both in f32 accumulation).
+    m, n, experts = 3000, 390, 16
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m - 37, experts, "empty_first_middle_last"))
+    got = ops.group_gemm(x, w, sizes)
+    assert_close(got, on_cpu(ops.group_gemm, x, w, sizes), dtype, "CUDA vs CPU")
+    assert_close(got, ref.group_gemm(x, w, sizes), dtype, "CUDA vs reference")
+    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+# ------------------------------------------------------------- step 5: activation
+
+ACT_SHAPES = [(1, 2), (7, 14), (64, 26), (33, 260), (3, 5, 144)]  # (..., 2I)
+
+
+@dtypes
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", ACT_SHAPES, ids=str)
+def test_gated_activation(rng, shape, activation, dtype):
+    h = normal(rng, shape, dtype, scale=2.0)
+    got = ops.gated_activation(h, activation)
+    assert got.shape == shape[:-1] + (shape[-1] // 2,) and got.dtype == dtype
+    # gelu's 1 + erf(g/sqrt2) (or 1 + tanh(...)) cancels for negative g: in f32
+    # it carries an absolute error of a few 2^-24, so act(g) * u is only good
+    # to ~|g * u| * 2^-24 however small the result. Allow 1e-6 * |g * u| on top.
+    gu = np.abs(oracle.f64(h[..., : shape[-1] // 2]) * oracle.f64(h[..., shape[-1] // 2:]))
+    assert_close(got, ref.gated_activation(h, activation), dtype, "vs reference", atol=1e-6 * gu)
+    assert_close(got, oracle.gated_activation(h, activation), dtype, "vs numpy oracle", atol=1e-6 * gu)
+
+
+def test_activation_aliases(rng):
+    h = normal(rng, (9, 40), jnp.float32)
+    assert_equal(ops.silu_and_mul(h), ops.gated_activation(h, "silu"))
+    assert_equal(ops.gelu_and_mul(h), ops.gated_activation(h, "gelu"))
+    assert_equal(ops.gelu_and_mul(h, approximate=True), ops.gated_activation(h, "gelu_tanh"))
+    # The three activations really differ (the code is passed through).
+    assert not np.array_equal(np.asarray(ops.silu_and_mul(h)), np.asarray(ops.gelu_and_mul(h)))
+    assert not np.array_equal(np.asarray(ops.gelu_and_mul(h)),
+                              np.asarray(ops.gelu_and_mul(h, approximate=True)))
+
+
+# ---------------------------------------------------------------- step 7: combine
+
+COMBINE_SHAPES = [(1, 1, 1), (1, 4, 72), (33, 2, 130), (64, 8, 72), (17_000, 4, 8)]  # (T, k, H)
+
+
+def _combine_inputs(rng, tokens, k, hidden, dtype, remote):
+    experts = 8
+    ids = random_ids(rng, tokens, k, experts)
+    start, count = (2, 4) if remote else (0, experts)  # remote: some entries are -1
+    s2d, _, _ = oracle.token_index(ids, experts, start, count)
+    y = normal(rng, (tokens * k, hidden), dtype)
+    weights = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    return y, weights, s2d
+
+
+@dtypes
+@pytest.mark.parametrize("remote", [False, True], ids=["all_local", "some_remote"])
+@pytest.mark.parametrize("shape", COMBINE_SHAPES, ids=str)
+def test_combine(rng, shape, dtype, remote):
+    y, weights, s2d = _combine_inputs(rng, *shape, dtype, remote)
+    got = ops.moe_combine(y, weights, jnp.asarray(s2d))
+    assert got.shape == (shape[0], shape[2]) and got.dtype == dtype
+    assert_close(got, ref.moe_combine(y, weights, jnp.asarray(s2d)), dtype, "vs reference")
+    assert_close(got, oracle.combine(y, weights, s2d), dtype, "vs numpy oracle")
+
+
+@dtypes
+def test_combine_minus_one_counts_as_zero(rng, dtype):
+    tokens, k, hidden = 40, 4, 24
+    y, weights, s2d = _combine_inputs(rng, tokens, k, hidden, dtype, remote=True)
+    missing = s2d < 0
+    assert missing.any() and (~missing).any()
+    got = ops.moe_combine(y, weights, jnp.asarray(s2d))
+    # Same result when the -1 entries instead point at a real row with weight 0.
+    pointed = np.where(missing, 0, s2d).astype(np.int32)
+    zeroed = jnp.where(jnp.asarray(missing.reshape(tokens, k)), 0.0, weights)
+    assert_close(got, ops.moe_combine(y, zeroed, jnp.asarray(pointed)), dtype, "vs zero weights")
+    # All -1: exactly zero.
+    none = ops.moe_combine(y, weights, jnp.full((tokens * k,), -1, jnp.int32))
+    assert np.all(np.asarray(none).astype(np.float32) == 0)
+
+
+@dtypes
+def test_combine_is_bitwise_reproducible(rng, dtype):
+    y, weights, s2d = _combine_inputs(rng, 3000, 8, 130, dtype, remote=False)
+    s2d = jnp.asarray(s2d)
+    first = ops.moe_combine(y, weights, s2d)
+    assert_equal(ops.moe_combine(y, weights, s2d), first, "second eager run")
+    jitted = jax.jit(ops.moe_combine)
+    assert_equal(jitted(y, weights, s2d), first, "jitted run")
+    assert_equal(jitted(y, weights, s2d), first, "second jitted run")
+
+
+ZERO_TOKEN_CALLS = {  # every op on T = 0 tokens (an empty local batch)
+    "topk_softmax": lambda m: m.topk_softmax(jnp.zeros((0, 8)), 2),
+    "token_index": lambda m: m.moe_compute_token_index(jnp.zeros((0, 2), jnp.int32), 8),
+    "expand": lambda m: m.moe_expand_input(jnp.zeros((0, 16)), jnp.zeros((0,), jnp.int32), 2),
+    "group_gemm": lambda m: m.group_gemm(jnp.zeros((0, 16)), jnp.zeros((8, 6, 16)),
+                                         jnp.zeros((8,), jnp.int32)),
+    "gated_act": lambda m: m.gated_activation(jnp.zeros((0, 6))),
+    "combine": lambda m: m.moe_combine(jnp.zeros((0, 16)), jnp.zeros((0, 2)), jnp.zeros((0,), jnp.int32)),
+}
+ZERO_TOKEN_SHAPES = {"topk_softmax": [(0, 2), (0, 2)], "token_index": [(0,), (0,), (8,)],
+                     "expand": [(0, 16)], "group_gemm": [(0, 6)], "gated_act": [(0, 3)],
+                     "combine": [(0, 16)]}
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("name", list(ZERO_TOKEN_CALLS))
+def test_zero_tokens(name, impl):
+    out = ZERO_TOKEN_CALLS[name](ops if impl == "ffi" else ref)
+    shapes = [leaf.shape for leaf in jax.tree.leaves(jax.block_until_ready(out))]
+    assert shapes == ZERO_TOKEN_SHAPES[name]
+    if name == "token_index":
+        assert np.all(np.asarray(out[2]) == 0), "no tokens: every expert size is 0"
+
+
+# ------------------------------------------------------- one case per op, reused
+
+TARGETS = {
+    "topk_softmax": "jax_moe_topk_softmax",
+    "token_index": "jax_moe_token_index",
+    "expand": "jax_moe_expand",
+    "group_gemm": "jax_moe_group_gemm",
+    "gated_act": "jax_moe_gated_act",
+    "combine": "jax_moe_combine",
+}
+
+
+def op_case(name, rng, dtype, batch=None):
+    """(fn, args) for one op on a moderate random input; with batch=B every
+    argument gets a leading batch axis of size B (fresh data per element)."""
+    tokens, k, experts, hidden, inter = 48, 2, 8, 72, 13
+    lead = () if batch is None else (batch,)
+    per = range(batch or 1)
+
+    def stack(make):
+        arrays = [make() for _ in per]
+        return arrays[0] if batch is None else jnp.stack([jnp.asarray(a) for a in arrays])
+
+    def index():
+        return oracle.token_index(random_ids(rng, tokens, k, experts), experts)
+
+    if name == "topk_softmax":
+        return functools.partial(ops.topk_softmax, topk=k, renormalize=True), (
+            normal(rng, lead + (tokens, experts), dtype, 2.0),)
+    if name == "token_index":
+        return functools.partial(ops.moe_compute_token_index, num_experts=experts), (
+            stack(lambda: random_ids(rng, tokens, k, experts)),)
+    if name == "expand":
+        return functools.partial(ops.moe_expand_input, topk=k), (
+            normal(rng, lead + (tokens, hidden), dtype), stack(lambda: index()[1]))
+    if name == "group_gemm":
+        m = tokens * k
+        return ops.group_gemm, (
+            normal(rng, lead + (m, hidden), dtype),
+            normal(rng, lead + (experts, 2 * inter, hidden), dtype, 1 / np.sqrt(hidden)),
+            stack(lambda: split_rows(rng, m, experts, "empty_middle")))
+    if name.startswith("gated_act"):
+        activation = name.split(":")[1] if ":" in name else "silu"
+        return functools.partial(ops.gated_activation, activation=activation), (
+            normal(rng, lead + (tokens * k, 2 * inter), dtype, 2.0),)
+    if name == "combine":
+        return ops.moe_combine, (
+            normal(rng, lead + (tokens * k, hidden), dtype),
+            jnp.asarray(rng.random(lead + (tokens, k)), jnp.float32),
+            stack(lambda: index()[0]))
+    raise ValueError(name)
+
+
+OP_NAMES = list(TARGETS)
+
+
+def _compare(got, want, dtype, what):
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if jnp.issubdtype(g.dtype, jnp.integer):
+            assert_equal(g, w, f"{what}[{i}]")
+        else:
+            assert_close(g, w, g.dtype, f"{what}[{i}]")
+
+
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_op_lowers_to_its_custom_call(rng, name):
+    fn, args = op_case(name, rng, jnp.float32)
+    text = jax.jit(fn).lower(*args).as_text()
+    targets = set(re.findall(r"custom_call\s*@(\w+)", text))
+    assert TARGETS[name] in targets, f"{name}: custom calls in the lowered module: {targets}"
+
+
+# ------------------------------------------------------------------------- vmap
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", OP_NAMES + ["gated_act:gelu"])
+def test_vmap_matches_loop(rng, name, dtype):
+    batch = 3
+    fn, args = op_case(name, rng, dtype, batch=batch)
+    got = jax.vmap(fn)(*args)
+    for b in range(batch):
+        want = fn(*(a[b] for a in args))
+        got_b = jax.tree.map(lambda g: g[b], got)
+        _compare(got_b, want, dtype, f"{name}, batch element {b}")
+
+
+def test_vmap_group_gemm_shared_weights(rng):
+    # x and expert_sizes batched, one weight tensor for the whole batch.
+    fn, (x, w, sizes) = op_case("group_gemm", rng, jnp.float32, batch=3)
+    got = jax.vmap(fn, in_axes=(0, None, 0))(x, w[0], sizes)
+    for b in range(3):
+        assert_close(got[b], fn(x[b], w[0], sizes[b]), jnp.float32, f"batch element {b}")
+
+
+def test_vmap_nested_topk(rng):
+    logits = normal(rng, (2, 3, 10, 8), jnp.float32)
+    fn = functools.partial(ops.topk_softmax, topk=3)
+    weights, ids = jax.vmap(jax.vmap(fn))(logits)
+    for a in range(2):
+        for b in range(3):
+            w, i = fn(logits[a, b])
+            assert_equal(ids[a, b], i)
+            assert_close(weights[a, b], w, jnp.float32)
+
+
+# ------------------------------------------------------------- GPU against CPU
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@dtypes
+@pytest.mark.parametrize("name", OP_NAMES + ["gated_act:gelu", "gated_act:gelu_tanh"])
+def test_cuda_matches_cpu_ffi(rng, name, dtype):
+    fn, args = op_case(name, rng, dtype)
+    got = jax.block_until_ready(fn(*args))
+    assert all(leaf.devices() == {jax.devices()[0]} for leaf in jax.tree.leaves(got)), \
+        "the op did not run on the GPU"
+    want = on_cpu(fn, *args)
+    assert all(leaf.devices() == {jax.devices("cpu")[0]} for leaf in jax.tree.leaves(want))
+    _compare(got, want, dtype, f"{name}: CUDA vs CPU")
