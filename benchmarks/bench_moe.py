@@ -107,6 +107,11 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
     return row
 
 
+def _write_json(path, meta, rows):
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -156,22 +161,22 @@ def main() -> None:
     dev = jax.devices()[0].device_kind
     print(f"# {date.today()} {dev} ({jax.default_backend()}), jax {jax.__version__}, "
           f"{jnp.dtype(dtype).name}; ceilings {bw / 1e12:.2f} TB/s, {rate / 1e12:.0f} TFLOP/s")
+    meta = {"date": str(date.today()), "device": dev, "backend": jax.default_backend(),
+            "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
+            "bandwidth_Bps": bw, "matmul_flops": rate, "quick": args.quick}
     rng = np.random.default_rng(0)
     rows = []
+    _write_json(args.json, meta, rows)
     print(f"{'shape':<16}{'T':>6}{'floor µs':>10}{'jax_moe µs':>12}{'% floor':>9}"
           f"{'TFLOP/s':>9}{'pure JAX µs':>13}{'speed-up':>9}")
     for name, shape in shapes.items():
         for t in tokens:
             r = bench_case(name, shape, t, dtype, calls, repeats, bw, rate, rng)
             rows.append(r)
+            _write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
             print(f"{name:<16}{t:>6}{r['floor_us']:>10.1f}{r['ffi_us']:>12.1f}"
                   f"{r['pct_of_floor']:>8.1f}%{r['tflops']:>9.1f}{r['reference_us']:>13.1f}"
                   f"{r['speedup_vs_jax']:>8.2f}x", flush=True)
-    meta = {"date": str(date.today()), "device": dev, "backend": jax.default_backend(),
-            "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
-            "bandwidth_Bps": bw, "matmul_flops": rate, "quick": args.quick}
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"json: {args.json}")
     if not args.quick:
         plot(rows, args.plot)

@@ -1,41 +1,55 @@
 #!/usr/bin/env bash
-# One device-tool call: build against the machine's jax, run the test suite on
-# the GPU, a compute-sanitizer pass over a small GPU run, and (optionally) the
-# benchmark. Logs go to $OUT (or ./gpu_out when run by hand).
-#   bash scripts/gpu_check.sh [build|test|sanitize|bench|example ...]
+# One device-tool call: build against the machine's jax, then the GPU test
+# suite and a compute-sanitizer memcheck pass side by side, the example, and
+# the benchmark (cut off after BENCH_SECONDS; it saves its JSON after every
+# case). Logs go to $OUT (or ./gpu_out when run by hand).
+#   bash scripts/gpu_check.sh [build] [test] [sanitize] [example] [bench]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SITE=/tmp/jax_moe_site
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build test sanitize)
+ROOT=$PWD
+steps=" $* "; [ -z "$*" ] && steps=" build test sanitize example bench "
+has() { [[ $steps == *" $1 "* ]]; }
 rc=0
-for step in "${steps[@]}"; do
-  echo "=== $step $(date -u +%H:%M:%S)"
-  case $step in
-    build)
-      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-      python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-      python3 -m pip install -q --no-build-isolation --no-deps --target "$SITE" . > "$OUT/build.log" 2>&1 \
-        || { tail -50 "$OUT/build.log"; exit 1; }
-      PYTHONPATH=$SITE python3 -c "import jax_moe; assert jax_moe.HAS_CUDA; print('built with CUDA')" || exit 1
-      ;;
-    test)
-      (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider . 2>&1 \
-        | tee "$OUT/pytest_gpu.log" | tail -30) ; rc=$((rc | PIPESTATUS[0]))
-      ;;
-    sanitize)
-      (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-        compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
-        python3 -m pytest -q -p no:cacheprovider -m sanitize . > "$OUT/memcheck.log" 2>&1); s=$?
-      tail -15 "$OUT/memcheck.log"; echo "memcheck exit $s"; rc=$((rc | s))
-      ;;
-    example)
-      PYTHONPATH=$SITE python3 examples/moe_layer.py --tokens 256 2>&1 | tee "$OUT/example.log"
-      ;;
-    bench)
-      PYTHONPATH=$SITE python3 benchmarks/bench_moe.py --json "$OUT/bench_moe.json" --plot "$OUT/bench_moe.png" \
-        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-      ;;
-  esac
+
+if has build; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+  start=$SECONDS
+  python3 -m pip install -q --no-build-isolation --no-deps --target "$SITE" . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $((SECONDS - start)) s"
+  PYTHONPATH=$SITE python3 -c "import jax_moe; assert jax_moe.HAS_CUDA; print('built with CUDA')" || exit 1
+fi
+
+pids=()
+if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend for GPU-vs-CPU tests)
+  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda python3 -m pytest -q -n 8 -p no:cacheprovider . \
+     > "$OUT/pytest_gpu.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_gpu.log") &
+  pids+=($!)
+fi
+if has sanitize; then  # memcheck over the small edge cases marked `sanitize`
+  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
+     compute-sanitizer --tool memcheck --error-exitcode 9 \
+     python3 -m pytest -q -p no:cacheprovider -m sanitize . > "$OUT/memcheck.log" 2>&1
+   echo "memcheck exit $?" >> "$OUT/memcheck.log") &
+  pids+=($!)
+fi
+for p in "${pids[@]}"; do wait "$p"; done
+for f in pytest_gpu memcheck; do
+  [ -f "$OUT/$f.log" ] || continue
+  echo "=== $f"; grep -E "ERROR SUMMARY|passed|failed|error|exit" "$OUT/$f.log" | tail -8
+  grep -q "exit 0" "$OUT/$f.log" || rc=1
 done
+
+if has example; then
+  PYTHONPATH=$SITE python3 examples/moe_layer.py --tokens 256 > "$OUT/example.log" 2>&1 || rc=1
+  echo "=== example"; tail -4 "$OUT/example.log"
+fi
+if has bench; then
+  PYTHONPATH=$SITE timeout "${BENCH_SECONDS:-240}" python3 benchmarks/bench_moe.py \
+    --json "$OUT/bench_moe.json" --plot "$OUT/bench_moe.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "=== bench (exit $?)"; cat "$OUT/bench.log"
+fi
 exit $rc
