@@ -36,24 +36,30 @@ TOKENS = (1, 16, 128, 1024, 8192)
 QUICK_SHAPES = {"tiny": (64, 32, 8, 2), "tiny_odd": (72, 40, 5, 3)}
 QUICK_TOKENS = (1, 16, 100)
 ROUTINGS = 8  # distinct random routings the loop rotates through
+# The floor's ceilings: the H200's copy bandwidth (bytes read + written) and
+# bf16 matmul rate as measured on the device machine (DESIGN.md); the values
+# this run measures itself are printed and saved beside them.
+FLOOR_BANDWIDTH, FLOOR_MATMUL = 4.3e12, 790e12
 
 
 def measure_ceilings(quick: bool) -> tuple[float, float]:
-    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate."""
+    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate, each
+    from a jitted loop of 10 back-to-back operations."""
     if quick:
-        return 4.3e12, 790e12  # the H200 figures; --quick numbers are not reported
+        return FLOOR_BANDWIDTH, FLOOR_MATMUL  # not measured on a smoke run
+    reps = 10
+
+    def rate(fn, arg, work):
+        fn(arg).block_until_ready()
+        return work * reps / min(_time(lambda: fn(arg).block_until_ready()) for _ in range(3))
+
     n = 1 << 30  # 2 GiB of bf16
-    a = jnp.ones((n,), jnp.bfloat16)
-    copy = jax.jit(lambda v: v + jnp.bfloat16(1))
-    copy(a).block_until_ready()
-    t = min(_time(lambda: copy(a).block_until_ready()) for _ in range(5))
-    bw = 2 * n * 2 / t
+    copy = jax.jit(lambda v: jax.lax.fori_loop(0, reps, lambda i, a: a + jnp.bfloat16(1), v))
+    bw = rate(copy, jnp.ones((n,), jnp.bfloat16), 2 * n * 2)
     m = 8192
-    x = jax.random.normal(jax.random.PRNGKey(0), (m, m), jnp.bfloat16)
-    mm = jax.jit(lambda p, q: p @ q)
-    mm(x, x).block_until_ready()
-    t = statistics.median(_time(lambda: mm(x, x).block_until_ready()) for _ in range(10))
-    return bw, 2 * m**3 / t
+    x = jax.random.normal(jax.random.PRNGKey(0), (m, m), jnp.bfloat16) * (1 / m)
+    mm = jax.jit(lambda v: jax.lax.fori_loop(0, reps, lambda i, a: a @ x, v))
+    return bw, rate(mm, x, 2 * m**3)
 
 
 def _time(fn) -> float:
@@ -96,14 +102,23 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
            "experts_touched": float(touched), "floor_us": floor * 1e6}
     for backend in ("ffi", "reference"):
         run = make_loop(backend, k, calls)
-        run(x, logits, w13, w2).block_until_ready()  # compile + warm-up
+        try:
+            run(x, logits, w13, w2).block_until_ready()  # compile + warm-up
+        except jax.errors.JaxRuntimeError as exc:
+            if backend == "ffi":
+                raise
+            # XLA lowers ragged_dot densely on some backends: at large T it
+            # needs more memory than the device has. Recorded, not hidden.
+            print(f"  pure-JAX path failed for {name} T={tokens}: {str(exc).splitlines()[0][:120]}")
+            row[f"{backend}_us"] = None
+            continue
         times = [_time(lambda: run(x, logits, w13, w2).block_until_ready()) / calls
                  for _ in range(repeats)]
-        t = statistics.median(times)
-        row[f"{backend}_us"] = t * 1e6
+        row[f"{backend}_us"] = statistics.median(times) * 1e6
     row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)
     row["tflops"] = flops / (row["ffi_us"] * 1e-6) / 1e12
-    row["speedup_vs_jax"] = row["reference_us"] / row["ffi_us"]
+    ref = row["reference_us"]
+    row["speedup_vs_jax"] = None if ref is None else ref / row["ffi_us"]
     return row
 
 
@@ -157,13 +172,17 @@ def main() -> None:
     calls = args.calls or (2 if args.quick else 20)
     repeats = 2 if args.quick else args.repeats
     dtype = jnp.float32 if args.quick and jax.default_backend() == "cpu" else jnp.bfloat16
-    bw, rate = measure_ceilings(args.quick)
+    measured_bw, measured_rate = measure_ceilings(args.quick)
+    bw, rate = FLOOR_BANDWIDTH, FLOOR_MATMUL
     dev = jax.devices()[0].device_kind
     print(f"# {date.today()} {dev} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"{jnp.dtype(dtype).name}; ceilings {bw / 1e12:.2f} TB/s, {rate / 1e12:.0f} TFLOP/s")
+          f"{jnp.dtype(dtype).name}; floor from {bw / 1e12:.1f} TB/s and {rate / 1e12:.0f} TFLOP/s; "
+          f"measured in this run: {measured_bw / 1e12:.2f} TB/s copy, {measured_rate / 1e12:.0f} TFLOP/s matmul")
     meta = {"date": str(date.today()), "device": dev, "backend": jax.default_backend(),
             "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
-            "bandwidth_Bps": bw, "matmul_flops": rate, "quick": args.quick}
+            "floor_bandwidth_Bps": bw, "floor_matmul_flops": rate,
+            "measured_bandwidth_Bps": measured_bw, "measured_matmul_flops": measured_rate,
+            "quick": args.quick}
     rng = np.random.default_rng(0)
     rows = []
     _write_json(args.json, meta, rows)
@@ -174,9 +193,10 @@ def main() -> None:
             r = bench_case(name, shape, t, dtype, calls, repeats, bw, rate, rng)
             rows.append(r)
             _write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
+            ref = "failed" if r["reference_us"] is None else f"{r['reference_us']:.1f}"
+            speed = "-" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:.2f}x"
             print(f"{name:<16}{t:>6}{r['floor_us']:>10.1f}{r['ffi_us']:>12.1f}"
-                  f"{r['pct_of_floor']:>8.1f}%{r['tflops']:>9.1f}{r['reference_us']:>13.1f}"
-                  f"{r['speedup_vs_jax']:>8.2f}x", flush=True)
+                  f"{r['pct_of_floor']:>8.1f}%{r['tflops']:>9.1f}{ref:>13}{speed:>9}", flush=True)
     print(f"json: {args.json}")
     if not args.quick:
         plot(rows, args.plot)
