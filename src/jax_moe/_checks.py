@@ -157,3 +157,42 @@ def combine_args(y, topk_weights, src_to_dst) -> None:
     if src_to_dst.shape[0] != tokens * k:
         raise ValueError(
             f"src_to_dst must have T*topk={tokens * k} entries, got {src_to_dst.shape[0]}")
+
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def route_args(router_logits, topk_value, scoring_func, num_expert_group, topk_group,
+               e_score_correction_bias, routed_scaling_factor):
+    """Checks the router's arguments; returns (k, groups, topk_group, scale)
+    with groups = topk_group = 1 when routing is not group-limited."""
+    k = topk_softmax_args(router_logits, topk_value)
+    experts = router_logits.shape[1]
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
+    if (num_expert_group is None) != (topk_group is None):
+        raise ValueError("num_expert_group and topk_group must be given together")
+    groups, tg = 1, 1
+    if num_expert_group is not None:
+        groups = static_int(num_expert_group, "num_expert_group")
+        tg = static_int(topk_group, "topk_group")
+        if groups < 1 or experts % groups:
+            raise ValueError(
+                f"num_expert_group={groups} must be >= 1 and divide num_experts={experts}")
+        if not 1 <= tg <= groups:
+            raise ValueError(f"topk_group must be in [1, num_expert_group={groups}], got {tg}")
+        if k > tg * (experts // groups):
+            raise ValueError(
+                f"topk={k} exceeds the {tg * (experts // groups)} experts of topk_group={tg} groups")
+    if e_score_correction_bias is not None:
+        rank(e_score_correction_bias, "e_score_correction_bias", 1)
+        float_dtype(e_score_correction_bias, "e_score_correction_bias")
+        if e_score_correction_bias.shape[0] != experts:
+            raise ValueError(
+                f"e_score_correction_bias must have num_experts={experts} entries, "
+                f"got {e_score_correction_bias.shape[0]}")
+    try:
+        scale = float(routed_scaling_factor)
+    except TypeError:
+        raise TypeError(f"routed_scaling_factor must be a Python float, got {routed_scaling_factor!r}") from None
+    return k, groups, tg, scale

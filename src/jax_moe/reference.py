@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax_moe import _checks
 
 __all__ = [
+    "route",
     "topk_softmax",
     "moe_compute_token_index",
     "moe_expand_input",
@@ -25,15 +26,53 @@ __all__ = [
 
 
 def topk_softmax(router_logits, topk: int, renormalize: bool = True):
-    k = _checks.topk_softmax_args(router_logits, topk)
+    """Step 1 as in the original pipeline: route() with softmax scoring."""
+    return route(router_logits, topk, renormalize=renormalize)
+
+
+def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
+          num_expert_group: int | None = None, topk_group: int | None = None,
+          e_score_correction_bias=None, routed_scaling_factor: float = 1.0):
+    """Step 1, general form: the routing of Qwen2/3-MoE, Mixtral, DeepSeek-V3.
+
+    scores = softmax or sigmoid of the f32 logits. Experts are chosen on
+    scores + e_score_correction_bias (the bias chooses, never weights); with
+    num_expert_group / topk_group only the topk_group groups with the highest
+    group score (sum of the group's top-2 choice scores) are eligible. Weights
+    are the chosen experts' scores, renormalised to sum 1 if asked, times
+    routed_scaling_factor. Ties go to the lower expert id. Without bias or
+    groups the choice is made on the logits themselves (the same order,
+    exactly). -> (weights (T, k) float32, ids (T, k) int32).
+    """
+    k, groups, tg, scale = _checks.route_args(
+        router_logits, topk, scoring_func, num_expert_group, topk_group,
+        e_score_correction_bias, routed_scaling_factor)
+    tokens, experts = router_logits.shape
     logits = router_logits.astype(jnp.float32)
     logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # as the kernels: NaN never wins
-    probs = jax.nn.softmax(logits, axis=-1)
-    # Select on the logits (exact order; lax.top_k puts the lower index first on ties).
-    _, ids = jax.lax.top_k(logits, k)
-    weights = jnp.take_along_axis(probs, ids, axis=-1)
+    if scoring_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    if e_score_correction_bias is None and groups == 1:
+        choice = logits
+    else:
+        choice = scores
+        if e_score_correction_bias is not None:
+            choice = choice + e_score_correction_bias.astype(jnp.float32)
+    if groups > 1:
+        per = experts // groups
+        grouped = choice.reshape(tokens, groups, per)
+        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)
+        _, chosen = jax.lax.top_k(group_score, tg)
+        keep = jnp.sum(jax.nn.one_hot(chosen, groups, dtype=jnp.int32), axis=1) > 0
+        choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if scale != 1.0:
+        weights = weights * jnp.float32(scale)
     return weights, ids.astype(jnp.int32)
 
 
