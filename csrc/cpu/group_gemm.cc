@@ -5,6 +5,7 @@
 
 #include "ffi_common.h"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -51,18 +52,9 @@ void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes,
 ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Buffer<ffi::S32> expert_sizes,
                         ffi::Result<ffi::AnyBuffer> out) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3)
-    return InvalidArg("group_gemm: x must be (M, K) and w (E, N, K)");
-  const int64_t m = xd[0], k = xd[1], groups = wd[0], n = wd[1];
-  if (wd[2] != k) return InvalidArg("group_gemm: K of x and w differ");
-  if (static_cast<int64_t>(expert_sizes.element_count()) != groups)
-    return InvalidArg("group_gemm: expert_sizes must have E entries");
-  if (x.element_type() != w.element_type() || out->element_type() != x.element_type())
-    return InvalidArg("group_gemm: x, w and the output must share a dtype");
-  if (out->element_count() != static_cast<size_t>(m * n))
-    return InvalidArg("group_gemm: output must be (M, N)");
+  GemmDims d;
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, *out, &d); err.failure()) return err;
+  const int64_t m = d.m, k = d.k, groups = d.groups, n = d.n;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() {
     GroupGemm<DT>(x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
                   m, groups, n, k, out->untyped_data());

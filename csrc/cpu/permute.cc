@@ -6,6 +6,7 @@
 
 #include "ffi_common.h"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -16,10 +17,7 @@ ffi::Error ExpandCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> dst_to_src,
   const int64_t tokens = LeadingRows(x.dimensions());
   const int64_t hidden = LastDim(x.dimensions());
   const int64_t m = dst_to_src.element_count();
-  if (topk < 1) return InvalidArg("moe_expand_input: topk must be >= 1");
-  if (out->element_count() != static_cast<size_t>(m * hidden) ||
-      out->element_type() != x.element_type())
-    return InvalidArg("moe_expand_input: output must be (len(dst_to_src), H) of x's dtype");
+  if (auto err = CheckExpand(x, dst_to_src, topk, *out); err.failure()) return err;
   const size_t row_bytes = hidden * ffi::ByteWidth(x.element_type());
   const char* src = static_cast<const char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
@@ -61,15 +59,9 @@ void CombineRows(const void* y_raw, const float* w, const int32_t* s2d,
 ffi::Error CombineCpu(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                       ffi::Buffer<ffi::S32> src_to_dst,
                       ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t m = LeadingRows(y.dimensions());
-  const int64_t hidden = LastDim(y.dimensions());
-  const int64_t k = LastDim(weights.dimensions());
-  const int64_t tokens = LeadingRows(weights.dimensions());
-  if (static_cast<int64_t>(src_to_dst.element_count()) != tokens * k)
-    return InvalidArg("moe_combine: src_to_dst must have T*topk entries");
-  if (out->element_count() != static_cast<size_t>(tokens * hidden) ||
-      out->element_type() != y.element_type())
-    return InvalidArg("moe_combine: output must be (T, H) of y's dtype");
+  CombineDims d;
+  if (auto err = CheckCombine(y, weights, src_to_dst, *out, &d); err.failure()) return err;
+  const int64_t m = d.m, hidden = d.hidden, k = d.k, tokens = d.tokens;
   return DispatchFloat(y.element_type(), "y", [&]<ffi::DataType DT>() {
     CombineRows<DT>(y.untyped_data(), weights.typed_data(),
                     src_to_dst.typed_data(), tokens, k, m, hidden,

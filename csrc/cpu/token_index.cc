@@ -7,6 +7,7 @@
 
 #include "ffi_common.h"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -17,13 +18,12 @@ ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
                          ffi::Result<ffi::Buffer<ffi::S32>> dst_to_src,
                          ffi::Result<ffi::Buffer<ffi::S32>> expert_sizes,
                          ffi::Result<ffi::Buffer<ffi::S32>> /*scratch*/) {
+  if (auto err = CheckTokenIndex(topk_ids, num_experts, start_expert, *src_to_dst, *dst_to_src,
+                                 *expert_sizes);
+      err.failure())
+    return err;
   const int64_t n = topk_ids.element_count();
   const int64_t local = expert_sizes->element_count();
-  if (static_cast<int64_t>(src_to_dst->element_count()) != n ||
-      static_cast<int64_t>(dst_to_src->element_count()) != n)
-    return InvalidArg("moe_compute_token_index: index outputs must have T*topk entries");
-  if (start_expert < 0 || start_expert + local > num_experts)
-    return InvalidArg("moe_compute_token_index: local expert range outside [0, num_experts)");
   const int32_t* ids = topk_ids.typed_data();
   int32_t* s2d = src_to_dst->typed_data();
   int32_t* d2s = dst_to_src->typed_data();

@@ -1,7 +1,8 @@
-// Step 5 on the GPU: act(h[r, :I]) * h[r, I:] in f32, 16-byte accesses when
-// I allows, grid-stride over rows x I.
+// Step 5 on the GPU: act(h[r, :I]) * h[r, I:] (gated) or act(h[r, :]) in f32,
+// 16-byte accesses when I allows, grid-stride over rows x I.
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -17,10 +18,11 @@ __device__ __forceinline__ float Act(float g) {
   }
 }
 
-template <ffi::DataType DT, int ACT, int VEC>
+template <ffi::DataType DT, int ACT, bool GATED, int VEC>
 __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
                                int64_t rows, int64_t inter,
                                typename DevScalar<DT>::T* __restrict__ out) {
+  constexpr int kWidth = GATED ? 2 : 1;  // input row = kWidth * inter
   using S = DevScalar<DT>;
   using T = typename S::T;
   const int64_t per_row = inter / VEC;
@@ -29,18 +31,22 @@ __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / per_row;
     const int64_t c = (idx - r * per_row) * VEC;
-    const T* gate = in + r * 2 * inter + c;
-    const T* up = gate + inter;
+    const T* gate = in + r * kWidth * inter + c;
+    const T* up = gate + inter;  // read only when GATED
     T g[VEC], u[VEC], o[VEC];
     if constexpr (VEC == 1) {
       g[0] = gate[0];
-      u[0] = up[0];
+      if constexpr (GATED) u[0] = up[0];
     } else {
       *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(gate);
-      *reinterpret_cast<uint4*>(u) = *reinterpret_cast<const uint4*>(up);
+      if constexpr (GATED) *reinterpret_cast<uint4*>(u) = *reinterpret_cast<const uint4*>(up);
     }
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) o[v] = S::Store(Act<ACT>(S::Load(g[v])) * S::Load(u[v]));
+    for (int v = 0; v < VEC; ++v) {
+      float a = Act<ACT>(S::Load(g[v]));
+      if constexpr (GATED) a *= S::Load(u[v]);
+      o[v] = S::Store(a);
+    }
     if constexpr (VEC == 1) {
       out[r * inter + c] = o[0];
     } else {
@@ -49,39 +55,43 @@ __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
   }
 }
 
-template <ffi::DataType DT, int ACT>
-void LaunchGated(cudaStream_t stream, const void* in, int64_t rows, int64_t inter, void* out) {
+template <ffi::DataType DT, int ACT, bool GATED>
+void LaunchAct(cudaStream_t stream, const void* in, int64_t rows, int64_t inter, void* out) {
   using T = typename DevScalar<DT>::T;
   constexpr int kVec = 16 / sizeof(T);
   const auto* ip = static_cast<const T*>(in);
   auto* op = static_cast<T*>(out);
   if (inter % kVec == 0) {
-    GatedActKernel<DT, ACT, kVec><<<GridFor(rows * inter / kVec, 256), 256, 0, stream>>>(
+    GatedActKernel<DT, ACT, GATED, kVec><<<GridFor(rows * inter / kVec, 256), 256, 0, stream>>>(
         ip, rows, inter, op);
   } else {
-    GatedActKernel<DT, ACT, 1><<<GridFor(rows * inter, 256), 256, 0, stream>>>(ip, rows, inter,
-                                                                               op);
+    GatedActKernel<DT, ACT, GATED, 1><<<GridFor(rows * inter, 256), 256, 0, stream>>>(
+        ip, rows, inter, op);
   }
 }
 
-ffi::Error GatedActCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activation,
+template <ffi::DataType DT, int ACT>
+void LaunchGated(cudaStream_t stream, bool gated, const void* in, int64_t rows, int64_t inter,
+                 void* out) {
+  if (gated) LaunchAct<DT, ACT, true>(stream, in, rows, inter, out);
+  else LaunchAct<DT, ACT, false>(stream, in, rows, inter, out);
+}
+
+ffi::Error GatedActCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activation, bool gated,
                         ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t rows = LeadingRows(h.dimensions());
-  const int64_t two_i = LastDim(h.dimensions());
-  if (two_i % 2 != 0) return InvalidArg("gated activation: last dim must be even");
-  if (activation < kSilu || activation > kGeluTanh) return InvalidArg("unknown activation code");
-  const int64_t inter = two_i / 2;
-  if (out->element_count() != static_cast<size_t>(rows * inter) ||
-      out->element_type() != h.element_type())
-    return InvalidArg("gated activation: output must be (..., I) of h's dtype");
+  ActDims d;
+  if (auto err = CheckActivation(h, activation, gated, *out, &d); err.failure()) return err;
+  const int64_t rows = d.rows, inter = d.inter;
   if (rows * inter == 0) return ffi::Error::Success();
   return DispatchFloat(h.element_type(), "h", [&]<ffi::DataType DT>() {
+    const void* in = h.untyped_data();
+    void* o = out->untyped_data();
     switch (activation) {
-      case kGeluExact: LaunchGated<DT, kGeluExact>(stream, h.untyped_data(), rows, inter, out->untyped_data()); break;
-      case kGeluTanh: LaunchGated<DT, kGeluTanh>(stream, h.untyped_data(), rows, inter, out->untyped_data()); break;
-      default: LaunchGated<DT, kSilu>(stream, h.untyped_data(), rows, inter, out->untyped_data());
+      case kGeluExact: LaunchGated<DT, kGeluExact>(stream, gated, in, rows, inter, o); break;
+      case kGeluTanh: LaunchGated<DT, kGeluTanh>(stream, gated, in, rows, inter, o); break;
+      default: LaunchGated<DT, kSilu>(stream, gated, in, rows, inter, o);
     }
-    return LastCudaError("gated activation launch");
+    return LastCudaError("activation launch");
   });
 }
 
@@ -92,6 +102,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatedActCuda, GatedActCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Attr<int64_t>("activation")
+                                  .Attr<bool>("gated")
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 

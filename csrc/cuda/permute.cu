@@ -3,6 +3,7 @@
 // accesses whenever the row length allows.
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -39,11 +40,7 @@ ffi::Error ExpandCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   const int64_t tokens = LeadingRows(x.dimensions());
   const int64_t hidden = LastDim(x.dimensions());
   const int64_t m = dst_to_src.element_count();
-  if (topk < 1) return InvalidArg("moe_expand_input: topk must be >= 1");
-  if (!IsFloatType(x.element_type())) return InvalidArg("moe_expand_input: x must be f32, bf16 or f16");
-  if (out->element_count() != static_cast<size_t>(m * hidden) ||
-      out->element_type() != x.element_type())
-    return InvalidArg("moe_expand_input: output must be (len(dst_to_src), H) of x's dtype");
+  if (auto err = CheckExpand(x, dst_to_src, topk, *out); err.failure()) return err;
   if (m == 0 || hidden == 0) return ffi::Error::Success();
   const int64_t row_bytes = hidden * ffi::ByteWidth(x.element_type());
   const int64_t limit = tokens * topk;
@@ -101,15 +98,9 @@ __global__ void CombineKernelT(const typename DevScalar<DT>::T* __restrict__ y,
 
 ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                        ffi::Buffer<ffi::S32> src_to_dst, ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t m = LeadingRows(y.dimensions());
-  const int64_t hidden = LastDim(y.dimensions());
-  const int64_t k = LastDim(weights.dimensions());
-  const int64_t tokens = LeadingRows(weights.dimensions());
-  if (static_cast<int64_t>(src_to_dst.element_count()) != tokens * k)
-    return InvalidArg("moe_combine: src_to_dst must have T*topk entries");
-  if (out->element_count() != static_cast<size_t>(tokens * hidden) ||
-      out->element_type() != y.element_type())
-    return InvalidArg("moe_combine: output must be (T, H) of y's dtype");
+  CombineDims d;
+  if (auto err = CheckCombine(y, weights, src_to_dst, *out, &d); err.failure()) return err;
+  const int64_t m = d.m, hidden = d.hidden, k = d.k, tokens = d.tokens;
   if (tokens == 0 || hidden == 0) return ffi::Error::Success();
   return DispatchFloat(y.element_type(), "y", [&]<ffi::DataType DT>() {
     using T = typename DevScalar<DT>::T;

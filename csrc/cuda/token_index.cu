@@ -10,6 +10,7 @@
 // mark the unused tail of dst_to_src with -1.
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -104,14 +105,12 @@ ffi::Error TokenIndexCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
                           ffi::Result<ffi::Buffer<ffi::S32>> dst_to_src,
                           ffi::Result<ffi::Buffer<ffi::S32>> expert_sizes,
                           ffi::Result<ffi::Buffer<ffi::S32>> scratch) {
+  if (auto err = CheckTokenIndex(topk_ids, num_experts, start_expert, *src_to_dst, *dst_to_src,
+                                 *expert_sizes);
+      err.failure())
+    return err;
   const int64_t n = topk_ids.element_count();
   const int64_t local = expert_sizes->element_count();
-  if (static_cast<int64_t>(src_to_dst->element_count()) != n ||
-      static_cast<int64_t>(dst_to_src->element_count()) != n)
-    return InvalidArg("moe_compute_token_index: index outputs must have T*topk entries");
-  if (start_expert < 0 || start_expert + local > num_experts)
-    return InvalidArg("moe_compute_token_index: local expert range outside [0, num_experts)");
-  if (n >= (int64_t{1} << 31)) return InvalidArg("moe_compute_token_index: T*topk must be < 2^31");
   const int64_t chunks = (n + kIndexChunk - 1) / kIndexChunk;
   if (static_cast<int64_t>(scratch->element_count()) < IndexScratchSize(n, local))
     return InvalidArg("moe_compute_token_index: scratch buffer too small");

@@ -1,0 +1,91 @@
+// Shape and dtype checks shared by the CPU and CUDA handlers of each op, so
+// both platforms reject exactly the same buffers (Python validates first; these
+// keep a kernel from ever indexing past what it was given).
+#pragma once
+
+#include "ffi_common.h"
+
+namespace jax_moe {
+
+struct GemmDims {
+  int64_t m, k, groups, n;
+};
+
+inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                                 const ffi::Buffer<ffi::S32>& sizes, const ffi::AnyBuffer& out,
+                                 GemmDims* d) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3)
+    return InvalidArg("group_gemm: x must be (M, K) and w (E, N, K)");
+  *d = {xd[0], xd[1], wd[0], wd[1]};
+  if (wd[2] != d->k) return InvalidArg("group_gemm: K of x and w differ");
+  if (static_cast<int64_t>(sizes.element_count()) != d->groups)
+    return InvalidArg("group_gemm: expert_sizes must have E entries");
+  if (x.element_type() != w.element_type() || out.element_type() != x.element_type())
+    return InvalidArg("group_gemm: x, w and the output must share a dtype");
+  if (out.element_count() != static_cast<size_t>(d->m * d->n))
+    return InvalidArg("group_gemm: output must be (M, N)");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckTokenIndex(const ffi::Buffer<ffi::S32>& ids, int64_t num_experts,
+                                  int64_t start_expert, const ffi::Buffer<ffi::S32>& src_to_dst,
+                                  const ffi::Buffer<ffi::S32>& dst_to_src,
+                                  const ffi::Buffer<ffi::S32>& sizes) {
+  const int64_t n = ids.element_count();
+  if (static_cast<int64_t>(src_to_dst.element_count()) != n ||
+      static_cast<int64_t>(dst_to_src.element_count()) != n)
+    return InvalidArg("moe_compute_token_index: index outputs must have T*topk entries");
+  if (start_expert < 0 || start_expert + static_cast<int64_t>(sizes.element_count()) > num_experts)
+    return InvalidArg("moe_compute_token_index: local expert range outside [0, num_experts)");
+  if (n >= (int64_t{1} << 31)) return InvalidArg("moe_compute_token_index: T*topk must be < 2^31");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckExpand(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& dst_to_src,
+                              int64_t topk, const ffi::AnyBuffer& out) {
+  if (topk < 1) return InvalidArg("moe_expand_input: topk must be >= 1");
+  if (!IsFloatType(x.element_type())) return InvalidArg("moe_expand_input: x must be f32, bf16 or f16");
+  const int64_t rows = dst_to_src.element_count();
+  if (out.element_count() != static_cast<size_t>(rows * LastDim(x.dimensions())) ||
+      out.element_type() != x.element_type())
+    return InvalidArg("moe_expand_input: output must be (len(dst_to_src), H) of x's dtype");
+  return ffi::Error::Success();
+}
+
+struct CombineDims {
+  int64_t m, hidden, tokens, k;
+};
+
+inline ffi::Error CheckCombine(const ffi::AnyBuffer& y, const ffi::Buffer<ffi::F32>& weights,
+                               const ffi::Buffer<ffi::S32>& src_to_dst, const ffi::AnyBuffer& out,
+                               CombineDims* d) {
+  *d = {LeadingRows(y.dimensions()), LastDim(y.dimensions()),
+        LeadingRows(weights.dimensions()), LastDim(weights.dimensions())};
+  if (static_cast<int64_t>(src_to_dst.element_count()) != d->tokens * d->k)
+    return InvalidArg("moe_combine: src_to_dst must have T*topk entries");
+  if (out.element_count() != static_cast<size_t>(d->tokens * d->hidden) ||
+      out.element_type() != y.element_type())
+    return InvalidArg("moe_combine: output must be (T, H) of y's dtype");
+  return ffi::Error::Success();
+}
+
+struct ActDims {
+  int64_t rows, width, inter;  // input rows x width -> rows x inter
+};
+
+inline ffi::Error CheckActivation(const ffi::AnyBuffer& h, int64_t activation, bool gated,
+                                  const ffi::AnyBuffer& out, ActDims* d) {
+  d->rows = LeadingRows(h.dimensions());
+  d->width = LastDim(h.dimensions());
+  if (gated && d->width % 2 != 0) return InvalidArg("gated activation: last dim must be even");
+  if (activation < kSilu || activation > kGeluTanh) return InvalidArg("unknown activation code");
+  d->inter = gated ? d->width / 2 : d->width;
+  if (out.element_count() != static_cast<size_t>(d->rows * d->inter) ||
+      out.element_type() != h.element_type())
+    return InvalidArg("activation: output must be (..., I) of h's dtype");
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_moe
