@@ -1,5 +1,9 @@
-// Step 1 on the CPU: softmax over experts in f32, top-k, optional renormalize.
+// Step 1 on the CPU: the router. Scores (softmax or sigmoid of the f32 logits),
+// an optional correction bias and group limit for the choice, top-k, optional
+// renormalize, scaling factor. Same semantics as jax_moe.reference.route.
+#include <climits>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "ffi_common.h"
@@ -8,58 +12,144 @@
 namespace jax_moe {
 namespace {
 
+// The order of lax.top_k, as an int32 key: -inf < ... < -0 < +0 < ... < +inf.
+// NaN (only a NaN bias or a softmax row of nothing but -inf/NaN makes one)
+// ranks below -inf, as the x86 default NaN does in lax.top_k. INT32_MIN is no
+// key of any float here, and marks an entry as taken.
+constexpr int32_t kTaken = INT32_MIN;
+
+inline int32_t OrderKey(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if (std::isnan(v)) bits = 0xffc00000u;
+  const int32_t s = static_cast<int32_t>(bits);
+  return s ^ ((s >> 31) & 0x7fffffff);
+}
+
+inline float KeyValue(int32_t key) {
+  const uint32_t bits = static_cast<uint32_t>(key ^ ((key >> 31) & 0x7fffffff));
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// Index of the largest untaken key of keys[0, n) (ties: the lower index), or
+// -1 when every entry is taken.
+inline int64_t ArgMax(const int32_t* keys, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (keys[i] == kTaken) continue;
+    if (best < 0 || keys[i] > keys[best]) best = i;
+  }
+  return best;
+}
+
+struct RouteParams {
+  int64_t experts, k, tokens_per_batch;
+  bool softmax, has_bias, renormalize;
+  int64_t groups, topk_group;
+  float scale;
+};
+
 template <ffi::DataType DT>
-void TopkSoftmaxRows(const void* logits_raw, int64_t rows, int64_t experts,
-                     int64_t k, bool renormalize, float* weights,
-                     int32_t* ids) {
+void RouteRows(const void* logits_raw, const float* bias, int64_t rows, const RouteParams& p,
+               float* weights, int32_t* ids) {
   using S = HostScalar<DT>;
   const auto* logits = static_cast<const typename S::Storage*>(logits_raw);
-  std::vector<float> row(experts);
-  std::vector<char> taken(experts);
+  const int64_t experts = p.experts, k = p.k;
+  const int64_t per = experts / p.groups;
+  // Without bias or groups the choice is made on the logits themselves.
+  const bool on_logits = !p.has_bias && p.groups == 1;
+  std::vector<float> x(experts), score(experts);
+  std::vector<int32_t> key(experts), group_key(p.groups);
   for (int64_t t = 0; t < rows; ++t) {
+    const float* b = bias + (t / p.tokens_per_batch) * experts;
     float mx = -INFINITY;
     for (int64_t e = 0; e < experts; ++e) {
-      row[e] = S::Load(logits[t * experts + e]);
-      if (std::isnan(row[e])) row[e] = -INFINITY;  // NaN is never preferred
-      mx = std::fmax(mx, row[e]);
+      x[e] = S::Load(logits[t * experts + e]);
+      if (std::isnan(x[e])) x[e] = -INFINITY;  // NaN is never preferred
+      mx = std::fmax(mx, x[e]);
     }
-    float sum = 0.f;
-    for (int64_t e = 0; e < experts; ++e) sum += std::exp(row[e] - mx);
-    std::fill(taken.begin(), taken.end(), 0);
+    if (p.softmax) {
+      float sum = 0.f;
+      for (int64_t e = 0; e < experts; ++e) sum += std::exp(x[e] - mx);
+      for (int64_t e = 0; e < experts; ++e) score[e] = std::exp(x[e] - mx) / sum;
+    } else {
+      for (int64_t e = 0; e < experts; ++e) score[e] = 1.f / (1.f + std::exp(-x[e]));
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      const float c = on_logits ? x[e] : p.has_bias ? score[e] + b[e] : score[e];
+      key[e] = OrderKey(c);
+    }
+    if (p.groups > 1) {
+      // Group score: the sum of the group's top-min(2, per) choice values.
+      for (int64_t g = 0; g < p.groups; ++g) {
+        int32_t k1 = kTaken, k2 = kTaken;
+        for (int64_t i = g * per; i < (g + 1) * per; ++i) {
+          if (key[i] > k1) { k2 = k1; k1 = key[i]; }
+          else if (key[i] > k2) { k2 = key[i]; }
+        }
+        group_key[g] = OrderKey(per >= 2 ? KeyValue(k1) + KeyValue(k2) : KeyValue(k1));
+      }
+      // Keep the topk_group best groups (ties: the lower group), marked taken.
+      for (int64_t j = 0; j < p.topk_group; ++j) {
+        const int64_t g = ArgMax(group_key.data(), p.groups);
+        if (g >= 0) group_key[g] = kTaken;
+      }
+      const int32_t minus_inf = OrderKey(-INFINITY);
+      for (int64_t e = 0; e < experts; ++e)
+        if (group_key[e / per] != kTaken) key[e] = minus_inf;
+    }
     float picked_sum = 0.f;
     for (int64_t j = 0; j < k; ++j) {
-      // Select on the logits themselves (same order as the probabilities,
-      // exact): ties go to the lower expert id.
-      int64_t best = -1;
-      for (int64_t e = 0; e < experts; ++e) {
-        if (taken[e]) continue;
-        if (best < 0 || row[e] > row[best]) best = e;
-      }
-      taken[best] = 1;
-      float p = std::exp(row[best] - mx) / sum;
-      weights[t * k + j] = p;
+      int64_t best = ArgMax(key.data(), experts);
+      if (best < 0) best = 0;  // unreachable: k <= experts
+      key[best] = kTaken;
+      const float w = score[best];
+      weights[t * k + j] = w;
       ids[t * k + j] = static_cast<int32_t>(best);
-      picked_sum += p;
+      picked_sum += w;
     }
-    if (renormalize) {
-      for (int64_t j = 0; j < k; ++j) weights[t * k + j] /= picked_sum;
+    for (int64_t j = 0; j < k; ++j) {
+      float w = weights[t * k + j];
+      if (p.renormalize) w /= picked_sum;
+      weights[t * k + j] = w * p.scale;
     }
   }
 }
 
-ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, bool renormalize,
+ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, bool renormalize,
+                          int64_t scoring, int64_t num_expert_group, int64_t topk_group,
+                          bool has_bias, float routed_scaling_factor,
                           ffi::Result<ffi::Buffer<ffi::F32>> weights,
                           ffi::Result<ffi::Buffer<ffi::S32>> ids) {
-  const int64_t experts = LastDim(logits.dimensions());
-  const int64_t rows = LeadingRows(logits.dimensions());
+  const auto dims = logits.dimensions();
+  const int64_t experts = LastDim(dims);
+  const int64_t rows = LeadingRows(dims);
+  // Leading dims (..., T): vmap's broadcast_all gives bias (..., E) with the
+  // same batch dims, one bias row per batch element.
+  const int64_t tokens = dims.size() >= 2 ? dims[dims.size() - 2] : 1;
+  const int64_t batch = tokens > 0 ? rows / tokens : 0;
   const int64_t k = LastDim(weights->dimensions());
   if (k < 1 || k > experts) return InvalidArg("topk must be in [1, num_experts]");
   if (static_cast<int64_t>(weights->element_count()) != rows * k ||
       static_cast<int64_t>(ids->element_count()) != rows * k)
-    return InvalidArg("topk_softmax: output shapes do not match (rows, topk)");
+    return InvalidArg("route: output shapes do not match (rows, topk)");
+  if (scoring != 0 && scoring != 1) return InvalidArg("route: scoring must be 0 (softmax) or 1 (sigmoid)");
+  if (num_expert_group < 1 || experts % num_expert_group)
+    return InvalidArg("route: num_expert_group must be >= 1 and divide num_experts");
+  if (topk_group < 1 || topk_group > num_expert_group)
+    return InvalidArg("route: topk_group must be in [1, num_expert_group]");
+  if (k > topk_group * (experts / num_expert_group))
+    return InvalidArg("route: topk exceeds the experts of topk_group groups");
+  if (LastDim(bias.dimensions()) != experts ||
+      (rows > 0 && static_cast<int64_t>(bias.element_count()) != batch * experts))
+    return InvalidArg("route: bias must be (..., num_experts) with the batch dims of the logits");
+  const RouteParams p{experts, k, tokens, scoring == 0, has_bias, renormalize,
+                      num_expert_group, topk_group, routed_scaling_factor};
   return DispatchFloat(logits.element_type(), "router_logits", [&]<ffi::DataType DT>() {
-    TopkSoftmaxRows<DT>(logits.untyped_data(), rows, experts, k, renormalize,
-                        weights->typed_data(), ids->typed_data());
+    RouteRows<DT>(logits.untyped_data(), bias.typed_data(), rows, p, weights->typed_data(),
+                  ids->typed_data());
     return ffi::Error::Success();
   });
 }
@@ -69,7 +159,13 @@ ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, bool renormalize,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTopkSoftmaxCpu, TopkSoftmaxCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("renormalize")
+                                  .Attr<int64_t>("scoring")
+                                  .Attr<int64_t>("num_expert_group")
+                                  .Attr<int64_t>("topk_group")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<float>("routed_scaling_factor")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 

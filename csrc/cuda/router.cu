@@ -1,7 +1,12 @@
-// Step 1 on the GPU: one warp per token row. Softmax statistics in f32 by warp
-// reductions; k rounds of a warp arg-max over the logits (exact order, ties to
-// the lower expert id), so selection never depends on exp's rounding.
-#include <cfloat>
+// Step 1 on the GPU: the router, one warp per token row. Scores (softmax or
+// sigmoid of the f32 logits, softmax statistics by warp reductions), an
+// optional correction bias and group limit for the choice, then k rounds of a
+// warp arg-max over the choice (ties to the lower expert id). The warp's row
+// of choice values lives in shared memory as int32 order keys (the order of
+// lax.top_k), so selection is exact integer comparison. Same semantics as
+// csrc/cpu/router.cc and jax_moe.reference.route.
+#include <algorithm>
+#include <climits>
 
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
@@ -9,58 +14,142 @@
 namespace jax_moe {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;
+constexpr int kMaxWarpsPerBlock = 4;
+constexpr int64_t kMaxExperts = 3072;  // _checks.MAX_EXPERTS
+constexpr int64_t kSmemBudget = 48 * 1024;  // no opt-in needed
+// No float's key (NaN is folded onto one key above it): marks a taken entry.
+constexpr int32_t kTaken = INT_MIN;
+
+// -inf < ... < -0 < +0 < ... < +inf, as lax.top_k orders floats; every NaN
+// (only a NaN bias or an all -inf softmax row makes one) as the negative quiet
+// NaN, below -inf.
+__device__ __forceinline__ int32_t OrderKey(float v) {
+  const int32_t s = isnan(v) ? static_cast<int32_t>(0xffc00000u) : __float_as_int(v);
+  return s ^ ((s >> 31) & 0x7fffffff);
+}
+
+__device__ __forceinline__ float KeyValue(int32_t key) {
+  return __int_as_float(key ^ ((key >> 31) & 0x7fffffff));
+}
+
+// Index of the largest untaken key of keys[0, n) (ties: the lower index), the
+// same in every lane; n when all are taken. Taken entries (kTaken) never beat
+// the start value, every real key does.
+__device__ __forceinline__ int WarpArgMax(const int32_t* keys, int n, int lane) {
+  int32_t best = kTaken;
+  int best_i = n;
+  for (int i = lane; i < n; i += 32) {
+    const int32_t v = keys[i];
+    if (v > best) { best = v; best_i = i; }
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    const int32_t ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (ov > best || (ov == best && oi < best_i)) { best = ov; best_i = oi; }
+  }
+  return best_i;
+}
+
+struct RouteParams {
+  int experts, k, groups, topk_group;
+  int64_t tokens_per_batch;  // logits rows per bias row
+  bool softmax, has_bias, renormalize;
+  float scale;
+};
+
+__device__ __forceinline__ float Score(float x, const RouteParams& p, float mx, float sum) {
+  return p.softmax ? expf(x - mx) / sum : 1.f / (1.f + expf(-x));
+}
 
 template <typename T, typename Load>
-__global__ void TopkSoftmaxKernel(const T* __restrict__ logits, int64_t rows,
-                                  int experts, int k, bool renormalize,
-                                  float* __restrict__ weights,
-                                  int32_t* __restrict__ ids, Load load) {
-  extern __shared__ float smem[];  // kWarpsPerBlock rows of `experts` floats
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* row = smem + static_cast<int64_t>(warp) * experts;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < rows;
-       t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+__global__ void RouteKernel(const T* __restrict__ logits, const float* __restrict__ bias,
+                            int64_t rows, RouteParams p, float* __restrict__ weights,
+                            int32_t* __restrict__ ids, Load load) {
+  // Per warp: `experts` choice keys, then (grouped) `groups` group keys.
+  extern __shared__ int32_t smem[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int experts = p.experts, k = p.k, groups = p.groups;
+  const int per = experts / groups;
+  int32_t* key = smem + static_cast<int64_t>(warp) * (experts + (groups > 1 ? groups : 0));
+  int32_t* group_key = key + experts;
+  const bool on_logits = !p.has_bias && groups == 1;  // choose on the logits themselves
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < rows;
+       t += static_cast<int64_t>(gridDim.x) * warps) {
     const T* src = logits + t * experts;
+    const float* b = bias + (t / p.tokens_per_batch) * experts;
+    // Each lane owns entries e = lane (mod 32) until the first __syncwarp.
     float mx = -INFINITY;
     for (int e = lane; e < experts; e += 32) {
       float v = load(src[e]);
       v = isnan(v) ? -INFINITY : v;  // NaN is never preferred (as on the CPU)
-      row[e] = v;
+      key[e] = __float_as_int(v);
       mx = fmaxf(mx, v);
     }
-    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
-    for (int e = lane; e < experts; e += 32) sum += expf(row[e] - mx);
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (p.softmax) {
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      for (int e = lane; e < experts; e += 32) sum += expf(__int_as_float(key[e]) - mx);
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    for (int e = lane; e < experts; e += 32) {
+      const float v = __int_as_float(key[e]);
+      float c = v;
+      if (!on_logits) {
+        c = Score(v, p, mx, sum);
+        if (p.has_bias) c += b[e];
+      }
+      key[e] = OrderKey(c);
+    }
+    __syncwarp();
+
+    if (groups > 1) {
+      // Group score: the sum of the group's top-min(2, per) choice values.
+      for (int g = lane; g < groups; g += 32) {
+        int32_t k1 = kTaken, k2 = kTaken;
+        for (int i = g * per; i < (g + 1) * per; ++i) {
+          const int32_t v = key[i];
+          if (v > k1) { k2 = k1; k1 = v; }
+          else if (v > k2) { k2 = v; }
+        }
+        group_key[g] = OrderKey(per >= 2 ? KeyValue(k1) + KeyValue(k2) : KeyValue(k1));
+      }
+      __syncwarp();
+      // Keep the topk_group best groups (ties: the lower group): marked taken.
+      for (int j = 0; j < p.topk_group; ++j) {
+        const int g = WarpArgMax(group_key, groups, lane);
+        if (lane == 0 && g < groups) group_key[g] = kTaken;
+        __syncwarp();
+      }
+      const int32_t minus_inf = OrderKey(-INFINITY);
+      for (int e = lane; e < experts; e += 32)
+        if (group_key[e / per] != kTaken) key[e] = minus_inf;
+      __syncwarp();
+    }
 
     float picked = 0.f;
     for (int j = 0; j < k; ++j) {
-      // Taken entries hold NaN, which loses every comparison; an untaken -inf
-      // still wins against the sentinel through the tie rule, so best_e is
-      // always a valid, untaken id (k <= experts).
-      float best = -INFINITY;
-      int best_e = experts;
-      for (int e = lane; e < experts; e += 32) {
-        float v = row[e];
-        if (v > best || (v == best && e < best_e)) { best = v; best_e = e; }
-      }
-      for (int o = 16; o > 0; o /= 2) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-        if (ov > best || (ov == best && oe < best_e)) { best = ov; best_e = oe; }
-      }
-      float p = expf(best - mx) / sum;
-      picked += p;
+      int e = WarpArgMax(key, experts, lane);
+      if (e >= experts) e = 0;  // unreachable (k <= experts); keeps every access in bounds
+      // The weight is the expert's score (never its bias): recomputed from
+      // its logit, by the same expression as above.
+      float x = load(src[e]);
+      x = isnan(x) ? -INFINITY : x;
+      const float w = Score(x, p, mx, sum);
+      picked += w;
       if (lane == 0) {
-        ids[t * k + j] = best_e;
-        weights[t * k + j] = p;
-        row[best_e] = __int_as_float(0x7fc00000);  // NaN: taken
+        ids[t * k + j] = e;
+        weights[t * k + j] = w;
+        key[e] = kTaken;
       }
       __syncwarp();
     }
-    if (renormalize && lane == 0) {
-      for (int j = 0; j < k; ++j) weights[t * k + j] /= picked;
+    if (p.renormalize || p.scale != 1.f) {
+      // Lane 0's stores are visible to the warp after the __syncwarp above.
+      for (int j = lane; j < k; j += 32) {
+        float w = weights[t * k + j];
+        if (p.renormalize) w /= picked;
+        weights[t * k + j] = w * p.scale;
+      }
     }
     __syncwarp();
   }
@@ -70,31 +159,55 @@ struct LoadF32 { __device__ float operator()(float v) const { return v; } };
 struct LoadBf16 { __device__ float operator()(__nv_bfloat16 v) const { return __bfloat162float(v); } };
 struct LoadF16 { __device__ float operator()(__half v) const { return __half2float(v); } };
 
-ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, bool renormalize,
+ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias,
+                           bool renormalize, int64_t scoring, int64_t num_expert_group,
+                           int64_t topk_group, bool has_bias, float routed_scaling_factor,
                            ffi::Result<ffi::Buffer<ffi::F32>> weights,
                            ffi::Result<ffi::Buffer<ffi::S32>> ids) {
-  const int64_t experts = LastDim(logits.dimensions());
-  const int64_t rows = LeadingRows(logits.dimensions());
+  const auto dims = logits.dimensions();
+  const int64_t experts = LastDim(dims);
+  const int64_t rows = LeadingRows(dims);
+  // Leading dims (..., T): vmap's broadcast_all gives bias (..., E) with the
+  // same batch dims, one bias row per batch element.
+  const int64_t tokens = dims.size() >= 2 ? dims[dims.size() - 2] : 1;
+  const int64_t batch = tokens > 0 ? rows / tokens : 0;
   const int64_t k = LastDim(weights->dimensions());
   if (k < 1 || k > experts) return InvalidArg("topk must be in [1, num_experts]");
   if (static_cast<int64_t>(weights->element_count()) != rows * k ||
       static_cast<int64_t>(ids->element_count()) != rows * k)
-    return InvalidArg("topk_softmax: output shapes do not match (rows, topk)");
-  const size_t smem = sizeof(float) * kWarpsPerBlock * experts;
-  if (smem > 48 * 1024) return InvalidArg("topk_softmax: at most 3072 experts on CUDA");
+    return InvalidArg("route: output shapes do not match (rows, topk)");
+  if (scoring != 0 && scoring != 1) return InvalidArg("route: scoring must be 0 (softmax) or 1 (sigmoid)");
+  if (num_expert_group < 1 || experts % num_expert_group)
+    return InvalidArg("route: num_expert_group must be >= 1 and divide num_experts");
+  if (topk_group < 1 || topk_group > num_expert_group)
+    return InvalidArg("route: topk_group must be in [1, num_expert_group]");
+  if (k > topk_group * (experts / num_expert_group))
+    return InvalidArg("route: topk exceeds the experts of topk_group groups");
+  if (LastDim(bias.dimensions()) != experts ||
+      (rows > 0 && static_cast<int64_t>(bias.element_count()) != batch * experts))
+    return InvalidArg("route: bias must be (..., num_experts) with the batch dims of the logits");
+  if (experts > kMaxExperts) return InvalidArg("route: at most 3072 experts on CUDA");
+  // experts + groups <= 6144 keys: 24 KiB a warp, so 2 to 4 warps a block.
+  const int64_t warp_bytes =
+      static_cast<int64_t>(sizeof(int32_t)) * (experts + (num_expert_group > 1 ? num_expert_group : 0));
+  const int warps = static_cast<int>(std::min<int64_t>(kMaxWarpsPerBlock, kSmemBudget / warp_bytes));
   if (rows == 0) return ffi::Error::Success();
-  const unsigned grid = GridFor(rows, kWarpsPerBlock);
+  const size_t smem = static_cast<size_t>(warps * warp_bytes);
+  const unsigned grid = GridFor(rows, warps);
+  const RouteParams p{static_cast<int>(experts), static_cast<int>(k),
+                      static_cast<int>(num_expert_group), static_cast<int>(topk_group),
+                      tokens, scoring == 0, has_bias, renormalize, routed_scaling_factor};
   return DispatchFloat(logits.element_type(), "router_logits", [&]<ffi::DataType DT>() {
     using T = typename DevScalar<DT>::T;
     auto launch = [&](auto load) {
-      TopkSoftmaxKernel<<<grid, 32 * kWarpsPerBlock, smem, stream>>>(
-          static_cast<const T*>(logits.untyped_data()), rows, static_cast<int>(experts),
-          static_cast<int>(k), renormalize, weights->typed_data(), ids->typed_data(), load);
+      RouteKernel<<<grid, 32 * warps, smem, stream>>>(
+          static_cast<const T*>(logits.untyped_data()), bias.typed_data(), rows, p,
+          weights->typed_data(), ids->typed_data(), load);
     };
     if constexpr (DT == ffi::DataType::F32) launch(LoadF32{});
     else if constexpr (DT == ffi::DataType::BF16) launch(LoadBf16{});
     else launch(LoadF16{});
-    return LastCudaError("topk_softmax launch");
+    return LastCudaError("route launch");
   });
 }
 
@@ -104,7 +217,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kTopkSoftmaxCuda, TopkSoftmaxCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("renormalize")
+                                  .Attr<int64_t>("scoring")
+                                  .Attr<int64_t>("num_expert_group")
+                                  .Attr<int64_t>("topk_group")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<float>("routed_scaling_factor")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>(),
                               {ffi::Traits::kCmdBufferCompatible});

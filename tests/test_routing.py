@@ -1,0 +1,367 @@
+"""ops.route (one FFI call) against reference.route, and both against a plain
+numpy DeepSeek-V3 router written from its published definition.
+
+Scoring (softmax / sigmoid) x correction bias x group-limited top-k x
+renormalize x routed_scaling_factor; ties, signed zeros, masked and NaN
+logits, T = 0 and 1, every logits dtype, jit and vmap, argument errors.
+Ids must match exactly; weights to f32 rounding.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu
+from jax_moe import ops, reference
+
+STATIC = ("topk", "scoring_func", "renormalize", "num_expert_group", "topk_group",
+          "routed_scaling_factor")
+# One compile per static configuration (jnp op by op would be slow).
+ref_route = jax.jit(reference.route, static_argnames=STATIC)
+ops_route = jax.jit(ops.route, static_argnames=STATIC)
+
+
+def bias_for(rng, experts, scale=0.1, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(experts) * scale, dtype)
+
+
+def check(logits, k, what="", **kw):
+    """ops.route (eager and jitted) == reference.route: ids exactly, weights to f32 rounding."""
+    weights, ids = ops.route(logits, k, **kw)
+    tokens = logits.shape[0]
+    assert weights.shape == (tokens, k) and weights.dtype == jnp.float32
+    assert ids.shape == (tokens, k) and ids.dtype == jnp.int32
+    ref_w, ref_ids = ref_route(logits, k, **kw)
+    assert_equal(ids, ref_ids, f"{what} ids vs reference")
+    assert_close(weights, ref_w, jnp.float32, f"{what} weights vs reference")
+    jit_w, jit_ids = ops_route(logits, k, **kw)
+    assert_equal(jit_ids, ids, f"{what} jit ids")
+    assert_equal(jit_w, weights, f"{what} jit weights")
+    return weights, ids
+
+
+# ------------------------------------------------------------- the full grid
+
+CONFIGS = {  # id: (T, E, k, num_expert_group, topk_group) for the grouped runs
+    "deepseek_v3": (64, 256, 8, 8, 4),
+    "small": (33, 8, 3, 4, 2),
+}
+
+
+@pytest.mark.parametrize("renormalize,scale", [(True, 1.0), (False, 2.5), (True, 2.5)],
+                         ids=["renorm", "scaled", "renorm_scaled"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["flat", "grouped"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_route_matches_reference(rng, config, scoring, with_bias, grouped, renormalize, scale):
+    tokens, experts, k, groups, tg = CONFIGS[config]
+    logits = normal(rng, (tokens, experts), jnp.float32, scale=2.0)
+    kw = dict(scoring_func=scoring, renormalize=renormalize, routed_scaling_factor=scale)
+    if with_bias:
+        kw["e_score_correction_bias"] = bias_for(rng, experts)
+    if grouped:
+        kw.update(num_expert_group=groups, topk_group=tg)
+    weights, ids = check(logits, k, config, **kw)
+    ids = np.asarray(ids)
+    assert np.all((ids >= 0) & (ids < experts))
+    assert all(len(set(row)) == k for row in ids.tolist()), "ids distinct within a row"
+    if grouped:
+        per = experts // groups
+        assert all(len(set(g)) <= tg for g in (ids // per).tolist()), "at most topk_group groups"
+    if renormalize:
+        np.testing.assert_allclose(np.asarray(weights).sum(axis=1), scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kind", ["deepseek", "qwen"])
+def test_route_logit_dtypes(rng, kind, dtype):
+    # bf16/f16 logits convert exactly; many of them are equal (ties).
+    logits = normal(rng, (48, 64), dtype, scale=2.0)
+    if kind == "deepseek":
+        kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=3,
+                  e_score_correction_bias=bias_for(rng, 64, dtype=dtype),
+                  routed_scaling_factor=2.5)
+    else:
+        kw = dict(scoring_func="softmax", renormalize=False)
+    check(logits, 6, kind, **kw)
+
+
+# ------------------------------------------------------ small groups, edges
+
+@pytest.mark.parametrize("groups,tg,k", [
+    (4, 1, 2),   # k = topk_group * per: the one kept group, whole
+    (4, 4, 8),   # every group kept, k = E
+    (4, 2, 4),   # k = topk_group * per
+    (8, 3, 3),   # one expert per group: the group score is its one choice value
+    (2, 1, 4),   # half the experts
+    (1, 1, 5),   # num_expert_group=1: not group-limited
+])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_small_groups(rng, scoring, with_bias, groups, tg, k):
+    experts = 8
+    logits = normal(rng, (40, experts), jnp.float32, scale=2.0)
+    kw = dict(scoring_func=scoring, num_expert_group=groups, topk_group=tg)
+    if with_bias:
+        kw["e_score_correction_bias"] = bias_for(rng, experts, scale=0.3)
+    _, ids = check(logits, k, **kw)
+    per = experts // groups
+    assert all(len(set(g)) <= tg for g in (np.asarray(ids) // per).tolist())
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_small_grouped_bias(rng, scoring):
+    logits = normal(rng, (5, 8), jnp.float32, scale=2.0)
+    check(logits, 4, scoring_func=scoring, num_expert_group=4, topk_group=2,
+          e_score_correction_bias=bias_for(rng, 8), routed_scaling_factor=1.5)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_route_one_and_no_tokens(rng, tokens):
+    kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4,
+              e_score_correction_bias=bias_for(rng, 256), routed_scaling_factor=2.5)
+    check(normal(rng, (tokens, 256), jnp.float32), 8, **kw)
+    check(normal(rng, (tokens, 16), jnp.bfloat16), 4)
+
+
+def test_topk_softmax_is_route_softmax(rng):
+    logits = normal(rng, (20, 16), jnp.bfloat16, scale=2.0)
+    for renormalize in (True, False):
+        w, i = ops.topk_softmax(logits, 4, renormalize)
+        rw, ri = ops.route(logits, 4, renormalize=renormalize)
+        assert_equal(i, ri)
+        assert_equal(w, rw)
+
+
+# ----------------------------------------------------------------- ties
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["flat", "grouped"])
+def test_route_ties(rng, grouped, scoring, with_bias):
+    # Small integer logits and quarter biases: most rows tie at the k-th
+    # expert and between groups; ties go to the lower expert / group. Equal
+    # choice values must come from equal (logit, bias) pairs only, computed
+    # the same way everywhere; a tie in exact arithmetic between different
+    # terms would be decided by exp's last bit, which differs between
+    # implementations. Hence logits >= 0 (sigmoid(x) + sigmoid(-x) ==
+    # 2 * sigmoid(0)), and with groups one bias per group: (s0 + b) + (s1 + c)
+    # and (s1 + b) + (s0 + c) are equal sums that round differently.
+    logits = jnp.asarray(rng.integers(0, 4, size=(200, 16)), jnp.float32)
+    kw = dict(scoring_func=scoring)
+    if with_bias:
+        bias = rng.integers(-2, 3, size=4 if grouped else 16) / 4
+        kw["e_score_correction_bias"] = jnp.asarray(np.repeat(bias, 16 // bias.size), jnp.float32)
+    if grouped:
+        kw.update(num_expert_group=4, topk_group=2)
+    check(logits, 5, **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    {}, dict(scoring_func="sigmoid"),
+    dict(e_score_correction_bias=jnp.zeros(16)),
+    dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2),
+    dict(num_expert_group=16, topk_group=3, e_score_correction_bias=jnp.zeros(16)),
+], ids=["softmax", "sigmoid", "zero_bias", "sigmoid_grouped", "per1_grouped"])
+def test_route_all_equal_logits_pick_lowest_ids(rng, kw):
+    value = rng.standard_normal((9, 1))
+    logits = jnp.asarray(np.broadcast_to(value, (9, 16)), jnp.float32)
+    _, ids = check(logits, 3, **kw)
+    assert_equal(ids, np.broadcast_to(np.arange(3, dtype=np.int32), (9, 3)))
+
+
+def test_route_signed_zeros_order_as_top_k():
+    # lax.top_k orders -0 below +0 (a total order): the kernels do too.
+    logits = jnp.asarray([[-0.0, 0.0, -0.0, 0.0, -1.0]] * 3, jnp.float32)
+    _, ids = check(logits, 3)
+    assert_equal(ids, np.broadcast_to(np.asarray([1, 3, 0], np.int32), (3, 3)))
+
+
+# ------------------------------------------------------ masked / NaN logits
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_masked_and_nan_logits(rng, scoring):
+    # -inf and NaN logits (NaN is -inf to the router) with bias and groups.
+    logits = rng.standard_normal((60, 16)).astype(np.float32) * 2
+    at = rng.random((60, 16))
+    logits[at < 0.2] = -np.inf
+    logits[at > 0.85] = np.nan
+    logits[:, 0] = rng.standard_normal(60)  # at least one finite logit a row
+    check(jnp.asarray(logits), 4, scoring_func=scoring, num_expert_group=4, topk_group=2,
+          e_score_correction_bias=bias_for(rng, 16))
+    check(jnp.asarray(logits), 2, scoring_func=scoring)
+
+
+def test_route_all_masked_softmax_row(rng, on_gpu):
+    # A softmax row of nothing but -inf has NaN scores: the weights are NaN,
+    # the ids still distinct and in range. On the CPU the choice order equals
+    # reference.route's there too (NaN choice values rank below -inf).
+    logits = normal(rng, (6, 16), jnp.float32)
+    logits = logits.at[2].set(-jnp.inf).at[4].set(jnp.nan)
+    kw = dict(num_expert_group=4, topk_group=2, e_score_correction_bias=bias_for(rng, 16))
+    weights, ids = ops.route(logits, 5, **kw)
+    ids = np.asarray(ids)
+    assert np.all((ids >= 0) & (ids < 16)) and all(len(set(r)) == 5 for r in ids.tolist())
+    assert np.all(np.isnan(np.asarray(weights)[[2, 4]]))
+    ok = np.ones(6, bool)
+    ok[[2, 4]] = False
+    ref_w, ref_ids = ref_route(logits, 5, **kw)
+    assert_equal(ids[ok], np.asarray(ref_ids)[ok])
+    assert_close(np.asarray(weights)[ok], np.asarray(ref_w)[ok], jnp.float32)
+    if not on_gpu:
+        assert_equal(ids, ref_ids, "degenerate rows, CPU")
+
+
+# --------------------------------------- DeepSeek-V3, from its definition
+
+def deepseek_v3_numpy(logits, bias, topk, n_group, topk_group, route_scale):
+    """DeepSeek-V3's gate (sigmoid scoring, noaux_tc), in float64 numpy:
+    scores = sigmoid(logits); the choice adds the correction bias; a group's
+    score is the sum of its two best biased scores; experts outside the
+    topk_group best groups are masked with -inf; top-k of the biased scores;
+    weights are the unbiased scores of the chosen experts, normalised to sum
+    1, times route_scale."""
+    logits = np.asarray(logits).astype(np.float64)
+    bias = np.asarray(bias).astype(np.float64)
+    tokens, experts = logits.shape
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    biased = scores + bias
+    ids = np.zeros((tokens, topk), np.int32)
+    weights = np.zeros((tokens, topk))
+    for t in range(tokens):
+        groups = biased[t].reshape(n_group, -1)
+        group_score = np.array([sum(sorted(g)[-2:]) for g in groups])
+        best_groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        masked = np.full(experts, -np.inf)
+        for g in best_groups:
+            lo = g * (experts // n_group)
+            masked[lo:lo + experts // n_group] = biased[t, lo:lo + experts // n_group]
+        chosen = sorted(range(experts), key=lambda e: (-masked[e], e))[:topk]
+        w = scores[t, chosen]
+        ids[t] = chosen
+        weights[t] = w / w.sum() * route_scale
+    return weights, ids
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_route_matches_deepseek_v3_definition(rng, dtype):
+    tokens, experts, k, n_group, topk_group, scale = 32, 256, 8, 8, 4, 2.5
+    logits = normal(rng, (tokens, experts), dtype, scale=2.0)
+    bias = bias_for(rng, experts)
+    np_w, np_ids = deepseek_v3_numpy(logits, bias, k, n_group, topk_group, scale)
+    for name, fn in (("ops", ops.route), ("reference", ref_route)):
+        weights, ids = fn(logits, k, scoring_func="sigmoid", num_expert_group=n_group,
+                          topk_group=topk_group, e_score_correction_bias=bias,
+                          routed_scaling_factor=scale)
+        assert_equal(ids, np_ids, f"{name}: ids vs the DeepSeek-V3 definition")
+        assert_close(weights, np_w, jnp.float32, f"{name}: weights", rtol=1e-6)
+
+
+# ------------------------------------------------------------------ vmap
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("bias_axis", [None, 0, "none"], ids=["shared_bias", "batched_bias", "no_bias"])
+def test_route_vmap_matches_loop(rng, bias_axis):
+    batch, tokens, experts, k = 3, 7, 16, 4
+    logits = normal(rng, (batch, tokens, experts), jnp.float32, scale=2.0)
+    bias = bias_for(rng, experts, scale=0.3)
+    if bias_axis == 0:
+        bias = jnp.stack([bias_for(rng, experts, scale=0.3) for _ in range(batch)])
+    kw = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.0)
+    if bias_axis == "none":
+        fn = lambda x: ops.route(x, k, **kw)  # noqa: E731
+        got = jax.vmap(fn)(logits)
+        want = [fn(logits[b]) for b in range(batch)]
+    else:
+        fn = lambda x, b: ops.route(x, k, e_score_correction_bias=b, **kw)  # noqa: E731
+        got = jax.jit(jax.vmap(fn, in_axes=(0, bias_axis)))(logits, bias)
+        want = [fn(logits[b], bias if bias_axis is None else bias[b]) for b in range(batch)]
+    for b in range(batch):
+        assert_equal(got[1][b], want[b][1], f"ids, batch element {b}")
+        assert_close(got[0][b], want[b][0], jnp.float32, f"weights, batch element {b}")
+        ref_w, ref_ids = reference.route(
+            logits[b], k, e_score_correction_bias=None if bias_axis == "none" else
+            (bias if bias_axis is None else bias[b]), **kw)
+        assert_equal(got[1][b], ref_ids, f"ids vs reference, batch element {b}")
+
+
+def test_route_nested_vmap_with_bias(rng):
+    logits = normal(rng, (2, 3, 5, 32), jnp.bfloat16, scale=2.0)
+    bias = jnp.stack([bias_for(rng, 32) for _ in range(2)])  # per outer element
+    fn = lambda x, b: ops.route(x, 6, scoring_func="softmax", num_expert_group=8,  # noqa: E731
+                                topk_group=3, e_score_correction_bias=b)
+    weights, ids = jax.vmap(lambda xs, b: jax.vmap(lambda x: fn(x, b))(xs))(logits, bias)
+    for a in range(2):
+        for b in range(3):
+            w, i = fn(logits[a, b], bias[a])
+            assert_equal(ids[a, b], i)
+            assert_close(weights[a, b], w, jnp.float32)
+
+
+def test_route_vmap_no_tokens(rng):
+    fn = lambda x, b: ops.route(x, 2, e_score_correction_bias=b)  # noqa: E731
+    w, i = jax.vmap(fn, in_axes=(0, None))(jnp.zeros((3, 0, 8)), bias_for(rng, 8))
+    assert w.shape == (3, 0, 2) and i.shape == (3, 0, 2)
+
+
+# ------------------------------------------------------------- errors
+
+T, E = 4, 8
+LOGITS = jnp.zeros((T, E), jnp.float32)
+ERROR_CASES = [  # (id, kwargs, exception, match)
+    ("bad_scoring", dict(topk=2, scoring_func="relu"), ValueError, "scoring_func"),
+    ("groups_not_dividing", dict(topk=2, num_expert_group=3, topk_group=1), ValueError, "num_expert_group"),
+    ("groups_zero", dict(topk=2, num_expert_group=0, topk_group=1), ValueError, "num_expert_group"),
+    ("groups_float", dict(topk=2, num_expert_group=4.0, topk_group=1), TypeError, "num_expert_group"),
+    ("topk_group_zero", dict(topk=2, num_expert_group=4, topk_group=0), ValueError, "topk_group"),
+    ("topk_group_too_big", dict(topk=2, num_expert_group=4, topk_group=5), ValueError, "topk_group"),
+    ("topk_group_alone", dict(topk=2, topk_group=2), ValueError, "topk_group"),
+    ("groups_alone", dict(topk=2, num_expert_group=2), ValueError, "num_expert_group"),
+    ("topk_past_groups", dict(topk=5, num_expert_group=4, topk_group=2), ValueError, "topk"),
+    ("bias_too_long", dict(topk=2, e_score_correction_bias=jnp.zeros(E + 1)), ValueError, "e_score_correction_bias"),
+    ("bias_rank2", dict(topk=2, e_score_correction_bias=jnp.zeros((1, E))), ValueError, "e_score_correction_bias"),
+    ("bias_int", dict(topk=2, e_score_correction_bias=jnp.zeros(E, jnp.int32)), TypeError, "e_score_correction_bias"),
+    ("scale_none", dict(topk=2, routed_scaling_factor=None), TypeError, "routed_scaling_factor"),
+    ("topk_too_big", dict(topk=E + 1), ValueError, "topk"),
+]
+
+
+@pytest.mark.parametrize("module", [ops, reference], ids=["ops", "reference"])
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_route_rejects(module, case):
+    _, kw, exc, match = case
+    with pytest.raises(exc, match=match):
+        module.route(LOGITS, **kw)
+    # At trace time, before any kernel: the same with abstract inputs.
+    with pytest.raises(exc, match=match):
+        jax.eval_shape(functools.partial(module.route, **kw), LOGITS)
+
+
+# ------------------------------------------------------- GPU against CPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["deepseek", "qwen_bf16"])
+def test_route_cuda_matches_cpu(rng, kind):
+    if kind == "deepseek":
+        logits = normal(rng, (300, 256), jnp.float32, scale=2.0)
+        bias = bias_for(rng, 256)
+        kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5)
+        k = 8
+    else:
+        logits = normal(rng, (300, 128), jnp.bfloat16, scale=2.0)
+        bias, kw, k = None, dict(renormalize=True), 8
+
+    def fn(x, b):
+        return ops.route(x, k, e_score_correction_bias=b, **kw)
+
+    got_w, got_ids = jax.block_until_ready(fn(logits, bias))
+    assert got_ids.devices() == {jax.devices()[0]}, "the op did not run on the GPU"
+    want_w, want_ids = on_cpu(fn, logits, bias)
+    assert_equal(np.asarray(got_ids), np.asarray(want_ids), "ids, CUDA vs CPU")
+    assert_close(np.asarray(got_w), np.asarray(want_w), jnp.float32, "weights, CUDA vs CPU")
