@@ -31,9 +31,17 @@ SHAPES = {  # name: (H, I, E, k)
     "qwen3_235b_a22b": (4096, 1536, 128, 8),
     "mixtral_8x7b": (4096, 14336, 8, 2),
     "deepseek_v3": (7168, 2048, 256, 8),
+    "deepseek_v3_routed": (7168, 2048, 256, 8),  # with DeepSeek-V3's own routing (ROUTING)
+}
+# Routing other than plain softmax top-k + renormalize, by shape name.
+ROUTING = {
+    "deepseek_v3_routed": dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4,
+                               routed_scaling_factor=2.5),
+    "tiny_routed": dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                        routed_scaling_factor=2.5),
 }
 TOKENS = (1, 16, 128, 1024, 8192)
-QUICK_SHAPES = {"tiny": (64, 32, 8, 2), "tiny_odd": (72, 40, 5, 3)}
+QUICK_SHAPES = {"tiny": (64, 32, 8, 2), "tiny_odd": (72, 40, 5, 3), "tiny_routed": (64, 32, 8, 2)}
 QUICK_TOKENS = (1, 16, 100)
 ROUTINGS = 8  # distinct random routings the loop rotates through
 # The floor's ceilings: the H200's copy bandwidth (bytes read + written) and
@@ -68,15 +76,15 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def make_loop(backend: str, topk: int, calls: int):
+def make_loop(backend: str, topk: int, calls: int, routing: dict):
     """`calls` layer calls in one jitted loop; call i routes with logits[i % R]
     and takes the previous call's output as its input."""
 
     @jax.jit
-    def run(x, logits, w13, w2):
+    def run(x, logits, w13, w2, bias):
         def body(i, h):
-            routing = logits[i % logits.shape[0]]
-            return jax_moe.moe_forward(h, routing, w13, w2, topk, backend=backend)
+            return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk,
+                                       backend=backend, e_score_correction_bias=bias, **routing)
 
         return jax.lax.fori_loop(0, calls, body, x)
 
@@ -91,7 +99,11 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
     w13 = (jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5).astype(dtype)
     w2 = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5).astype(dtype)
 
-    ids = np.asarray(jax.lax.top_k(logits, k)[1])
+    routing = ROUTING.get(name, {})
+    # DeepSeek-V3's bias: small random offsets, as a trained checkpoint has.
+    bias = (jax.random.normal(keys[0], (e,), jnp.float32) * 0.01) if routing else None
+    ids = np.stack([np.asarray(jax_moe.reference.route(
+        logits[r], k, e_score_correction_bias=bias, **routing)[1]) for r in range(ROUTINGS)])
     touched = np.mean([len(np.unique(ids[r])) for r in range(ROUTINGS)])
     item = jnp.dtype(dtype).itemsize
     nbytes = touched * 3 * h * i * item + 2 * tokens * h * item
@@ -101,9 +113,9 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
     row = {"shape": name, "tokens": tokens, "H": h, "I": i, "E": e, "k": k,
            "experts_touched": float(touched), "floor_us": floor * 1e6}
     for backend in ("ffi", "reference"):
-        run = make_loop(backend, k, calls)
+        run = make_loop(backend, k, calls, routing)
         try:
-            run(x, logits, w13, w2).block_until_ready()  # compile + warm-up
+            run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
         except jax.errors.JaxRuntimeError as exc:
             if backend == "ffi":
                 raise
@@ -112,7 +124,7 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
             print(f"  pure-JAX path failed for {name} T={tokens}: {str(exc).splitlines()[0][:120]}")
             row[f"{backend}_us"] = None
             continue
-        times = [_time(lambda: run(x, logits, w13, w2).block_until_ready()) / calls
+        times = [_time(lambda: run(x, logits, w13, w2, bias).block_until_ready()) / calls
                  for _ in range(repeats)]
         row[f"{backend}_us"] = statistics.median(times) * 1e6
     row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)

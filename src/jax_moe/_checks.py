@@ -136,12 +136,12 @@ def group_gemm_args(x, w, expert_sizes) -> None:
             f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
 
 
-def gated_args(h, name: str) -> int:
+def activation_args(h, name: str, gated: bool = True) -> int:
     code = activation(name)
     if jnp.ndim(h) < 1:
         raise ValueError("h must have at least one dimension")
     float_dtype(h, "h")
-    if h.shape[-1] % 2:
+    if gated and h.shape[-1] % 2:
         raise ValueError(f"h's last dimension must be even (2*I), got {h.shape[-1]}")
     return code
 

@@ -16,11 +16,13 @@ from jax_moe import _checks
 from jax_moe._ffi import INDEX_CHUNK
 
 __all__ = [
+    "route",
     "topk_softmax",
     "moe_compute_token_index",
     "moe_expand_input",
     "group_gemm",
     "gated_activation",
+    "activation",
     "silu_and_mul",
     "gelu_and_mul",
     "moe_combine",
@@ -32,18 +34,43 @@ def _sds(shape, dtype):
 
 
 def topk_softmax(router_logits, topk: int, renormalize: bool = True):
-    """Step 1: f32 softmax over experts, then top-k (ties: lower expert id).
+    """Step 1 as in the original pipeline: route() with softmax scoring.
 
     router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
     """
-    k = _checks.topk_softmax_args(router_logits, topk)
-    tokens = router_logits.shape[0]
+    return route(router_logits, topk, renormalize=renormalize)
+
+
+_SCORING = {"softmax": 0, "sigmoid": 1}
+
+
+def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
+          num_expert_group: int | None = None, topk_group: int | None = None,
+          e_score_correction_bias=None, routed_scaling_factor: float = 1.0):
+    """Step 1, general form (Qwen2/3-MoE, Mixtral, DeepSeek-V3 routing); the
+    semantics of ``reference.route``, in one FFI call.
+
+    router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
+    """
+    k, groups, tg, scale = _checks.route_args(
+        router_logits, topk, scoring_func, num_expert_group, topk_group,
+        e_score_correction_bias, routed_scaling_factor)
+    tokens, experts = router_logits.shape
+    has_bias = e_score_correction_bias is not None
+    bias = (jnp.asarray(e_score_correction_bias).astype(jnp.float32) if has_bias
+            else jnp.zeros((experts,), jnp.float32))
+    # broadcast_all hands the kernel logits (..., T, E) and bias (..., E) with
+    # the same batch dims (an unbatched bias is broadcast): one bias row per
+    # batch element.
     call = jax.ffi.ffi_call(
         "jax_moe_topk_softmax",
         (_sds((tokens, k), jnp.float32), _sds((tokens, k), jnp.int32)),
         vmap_method="broadcast_all",
     )
-    return call(router_logits, renormalize=bool(renormalize))
+    return call(router_logits, bias, renormalize=bool(renormalize),
+                scoring=np.int64(_SCORING[scoring_func]), num_expert_group=np.int64(groups),
+                topk_group=np.int64(tg), has_bias=bool(has_bias),
+                routed_scaling_factor=np.float32(scale))
 
 
 def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0,
@@ -93,14 +120,24 @@ def group_gemm(x, w, expert_sizes):
     return call(x, w, expert_sizes.astype(jnp.int32))
 
 
+def _activation_call(h, name: str, gated: bool):
+    code = _checks.activation_args(h, name, gated)
+    width = h.shape[-1] // 2 if gated else h.shape[-1]
+    call = jax.ffi.ffi_call(
+        "jax_moe_gated_act", _sds(h.shape[:-1] + (width,), h.dtype),
+        vmap_method="broadcast_all")
+    return call(h, activation=np.int64(code), gated=bool(gated))
+
+
 def gated_activation(h, activation: str = "silu"):
     """Step 5: act(h[..., :I]) * h[..., I:], computed in f32, in h's dtype.
     activation: "silu", "gelu" (exact, erf) or "gelu_tanh"."""
-    code = _checks.gated_args(h, activation)
-    call = jax.ffi.ffi_call(
-        "jax_moe_gated_act", _sds(h.shape[:-1] + (h.shape[-1] // 2,), h.dtype),
-        vmap_method="broadcast_all")
-    return call(h, activation=np.int64(code))
+    return _activation_call(h, activation, gated=True)
+
+
+def activation(h, activation: str = "silu"):
+    """Step 5 for non-gated experts: act(h) elementwise, in f32, in h's dtype."""
+    return _activation_call(h, activation, gated=False)
 
 
 def silu_and_mul(h):

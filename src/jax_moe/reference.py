@@ -19,6 +19,7 @@ __all__ = [
     "moe_expand_input",
     "group_gemm",
     "gated_activation",
+    "activation",
     "silu_and_mul",
     "gelu_and_mul",
     "moe_combine",
@@ -128,10 +129,15 @@ def _act(g, activation: str):
 
 
 def gated_activation(h, activation: str = "silu"):
-    _checks.gated_args(h, activation)
+    _checks.activation_args(h, activation, gated=True)
     inter = h.shape[-1] // 2
     hf = h.astype(jnp.float32)
     return (_act(hf[..., :inter], activation) * hf[..., inter:]).astype(h.dtype)
+
+
+def activation(h, activation: str = "silu"):
+    _checks.activation_args(h, activation, gated=False)
+    return _act(h.astype(jnp.float32), activation).astype(h.dtype)
 
 
 def silu_and_mul(h):
