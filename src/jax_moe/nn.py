@@ -1,0 +1,181 @@
+"""A Flax NNX module around ``moe_forward``: ``jax_moe.nn.MoE``.
+
+Flax is an optional dependency (``pip install 'jax_moe[flax]'`` or ``pip
+install flax``); ``import jax_moe`` never imports it, only ``import
+jax_moe.nn`` does.
+"""
+
+from __future__ import annotations
+
+try:
+    from flax import nnx
+except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "jax_moe.nn needs Flax (the NNX API, flax >= 0.11): install it with "
+        "`pip install 'jax_moe[flax]'` or `pip install flax`") from e
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe import convert
+from jax_moe.pipeline import _BACKENDS, MoEConfig, moe_forward
+
+__all__ = ["MoE", "Buffer"]
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable variable (like a PyTorch buffer): DeepSeek-V3's
+    e_score_correction_bias. ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and
+    ``nnx.grad`` (whose default filter is nnx.Param) leave it alone."""
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "dtype"))
+def _lecun_uniform(key, shapes, dtype):
+    """One array per shape, uniform with variance 1/fan_in (fan_in: the last
+    axis, the PyTorch (out, in) layout). Drawn as one flat array and cut: a
+    single small compile (threefry draws of rank-3 shapes compile slowly)."""
+    sizes = [math.prod(s) for s in shapes]
+    flat = jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0)
+    out, start = [], 0
+    for shape, size in zip(shapes, sizes):
+        bound = math.sqrt(3.0 / shape[-1])
+        out.append((flat[start:start + size] * bound).reshape(shape).astype(dtype))
+        start += size
+    return out
+
+
+class MoE(nnx.Module):
+    """A MoE block (router + routed experts + optional shared expert) in Flax NNX.
+
+    Parameters (PyTorch / Hugging Face layout, see ``jax_moe.convert``)::
+
+        router                   nnx.Param (E, H)
+        w13                      nnx.Param (E, 2I, H)   concat(gate, up) per expert
+        w2                       nnx.Param (E, H, I)
+        e_score_correction_bias  Buffer (E,) float32    if config.use_correction_bias (zeros)
+        shared_w13, shared_w2    nnx.Param (2I_s, H), (H, I_s)  if config.shared_intermediate_size
+        shared_gate              nnx.Param (H,)         if config.shared_expert_gate
+
+    Absent ones are None. Weights are drawn uniform with variance 1/fan_in
+    (fan_in = the last axis), or by ``kernel_init(key, shape, param_dtype)``
+    (a ``jax.nn.initializers`` function) if given; the bias starts at zero.
+    ``__call__(x)`` takes x (..., H), computes
+    ``router_logits = x @ router.T`` in float32 and runs ``moe_forward`` with
+    ``config.forward_kwargs()`` on ``backend``; the result has x's leading
+    shape and ``dtype``. Parameters are stored in ``param_dtype`` and cast to
+    ``dtype`` (the computation dtype) for the call, as in ``nnx.Linear``.
+
+    Gradients: both backends are differentiable (``jax.grad``, ``nnx.grad``,
+    training with optax). The "ffi" backend runs the forward on the FFI
+    kernels and, having no backward kernels yet, takes the VJP of the
+    reference layer (``reference``'s jax.numpy implementation, recomputed in
+    the backward pass; see ``pipeline._ffi_layer``), so its gradients are
+    those of the reference layer exactly. Routing is a discrete choice:
+    gradients reach the router through the chosen experts' weights only.
+    """
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32, backend: str = "ffi", kernel_init=None):
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a jax_moe.MoEConfig, got {type(config).__name__}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        self.config = config
+        self.backend = backend
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        c = config
+        e, h, i = c.num_experts, c.hidden_size, c.intermediate_size
+        up = 2 if c.is_gated else 1
+        i_s = c.shared_intermediate_size
+        shapes = {"router": (e, h), "w13": (e, up * i, h), "w2": (e, h, i)}
+        if i_s:
+            shapes.update(shared_w13=(up * i_s, h), shared_w2=(h, i_s))
+        if c.shared_expert_gate:
+            shapes["shared_gate"] = (h,) if kernel_init is None else (1, h)
+        if kernel_init is None:
+            values = _lecun_uniform(rngs.params(), tuple(shapes.values()), self.param_dtype)
+        else:
+            values = [kernel_init(rngs.params(), s, self.param_dtype) for s in shapes.values()]
+        values = dict(zip(shapes, values))
+        self.router = nnx.Param(values["router"])
+        self.w13 = nnx.Param(values["w13"])
+        self.w2 = nnx.Param(values["w2"])
+        self.e_score_correction_bias = (
+            Buffer(jnp.zeros((e,), jnp.float32)) if c.use_correction_bias else None)
+        self.shared_w13 = nnx.Param(values["shared_w13"]) if i_s else None
+        self.shared_w2 = nnx.Param(values["shared_w2"]) if i_s else None
+        self.shared_gate = (nnx.Param(values["shared_gate"].reshape(h))
+                            if c.shared_expert_gate else None)
+
+    def __call__(self, x):
+        c = self.config
+        if x.ndim < 1 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x must be (..., H={c.hidden_size}), got shape {x.shape}")
+        lead = x.shape[:-1]
+        x2 = jnp.asarray(x).reshape(-1, c.hidden_size).astype(self.dtype)
+
+        def cast(v):
+            return None if v is None else v[...].astype(self.dtype)
+
+        logits = jnp.dot(x2.astype(jnp.float32), self.router[...].astype(jnp.float32).T,
+                         preferred_element_type=jnp.float32)
+        bias = self.e_score_correction_bias
+        out = moe_forward(
+            x2, logits, cast(self.w13), cast(self.w2),
+            e_score_correction_bias=None if bias is None else bias[...],
+            shared_w13=cast(self.shared_w13), shared_w2=cast(self.shared_w2),
+            shared_gate=cast(self.shared_gate), backend=self.backend, **c.forward_kwargs())
+        return out.reshape(*lead, c.hidden_size)
+
+    @classmethod
+    def from_state_dict(cls, config: MoEConfig, state_dict, *, prefix: str = "",
+                        layout: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                        backend: str = "ffi") -> MoE:
+        """A MoE holding the weights of one Hugging Face MoE block
+        (``jax_moe.convert.convert_moe_block(state_dict, prefix=..., layout=...)``),
+        cast to param_dtype. The weights must match `config` (use
+        ``convert.config_from_hf`` on the model's config.json): a mismatch
+        raises ValueError, a tensor the config needs but the state dict lacks
+        KeyError. No random initialisation is done."""
+        arrays = convert.convert_moe_block(state_dict, prefix=prefix, layout=layout,
+                                           dtype=param_dtype)
+        # Build the module abstractly (no init cost), then fill in the arrays.
+        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                           param_dtype=param_dtype, backend=backend))
+        p = convert._norm_prefix(prefix)
+        where = {"router": "gate.weight", "e_score_correction_bias": "gate.e_score_correction_bias",
+                 "shared_w13": "shared expert", "shared_w2": "shared expert",
+                 "shared_gate": "shared_expert_gate.weight"}
+        for name in ("router", "w13", "w2", "e_score_correction_bias", "shared_w13",
+                     "shared_w2", "shared_gate"):
+            var = getattr(model, name)
+            value = arrays.pop(name, None)
+            if var is None and value is None:
+                continue
+            if var is None:
+                raise ValueError(
+                    f"the state dict under {p!r} has {name} but the config does not expect it "
+                    f"({_config_hint(name)})")
+            if value is None:
+                raise KeyError(
+                    f"the config expects {name} ({_config_hint(name)}) but the state dict under "
+                    f"{p!r} has none ({where.get(name, name)})")
+            if value.shape != var.shape:
+                raise ValueError(
+                    f"{name} from the state dict under {p!r} has shape {value.shape}, the config "
+                    f"expects {var.shape} ({_config_hint(name)})")
+            var.set_value(value)
+        return model
+
+
+def _config_hint(name: str) -> str:
+    return {
+        "e_score_correction_bias": "MoEConfig.use_correction_bias",
+        "shared_w13": "MoEConfig.shared_intermediate_size",
+        "shared_w2": "MoEConfig.shared_intermediate_size",
+        "shared_gate": "MoEConfig.shared_expert_gate",
+    }.get(name, "MoEConfig.num_experts, hidden_size, intermediate_size")
