@@ -7,6 +7,40 @@
 
 namespace jax_moe {
 
+struct RouteDims {
+  int64_t experts, rows, tokens, k;  // logits (..., T, E) = rows x E; k slots a row
+};
+
+inline ffi::Error CheckRoute(const ffi::AnyBuffer& logits, const ffi::Buffer<ffi::F32>& bias,
+                             int64_t scoring, int64_t num_expert_group, int64_t topk_group,
+                             const ffi::Buffer<ffi::F32>& weights,
+                             const ffi::Buffer<ffi::S32>& ids, RouteDims* d) {
+  const auto dims = logits.dimensions();
+  d->experts = LastDim(dims);
+  d->rows = LeadingRows(dims);
+  // Leading dims (..., T): vmap's broadcast_all gives bias (..., E) with the
+  // same batch dims, one bias row per batch element.
+  d->tokens = dims.size() >= 2 ? dims[dims.size() - 2] : 1;
+  const int64_t batch = d->tokens > 0 ? d->rows / d->tokens : 0;
+  d->k = LastDim(weights.dimensions());
+  const int64_t experts = d->experts, rows = d->rows, k = d->k;
+  if (k < 1 || k > experts) return InvalidArg("topk must be in [1, num_experts]");
+  if (static_cast<int64_t>(weights.element_count()) != rows * k ||
+      static_cast<int64_t>(ids.element_count()) != rows * k)
+    return InvalidArg("route: output shapes do not match (rows, topk)");
+  if (scoring != 0 && scoring != 1) return InvalidArg("route: scoring must be 0 (softmax) or 1 (sigmoid)");
+  if (num_expert_group < 1 || experts % num_expert_group)
+    return InvalidArg("route: num_expert_group must be >= 1 and divide num_experts");
+  if (topk_group < 1 || topk_group > num_expert_group)
+    return InvalidArg("route: topk_group must be in [1, num_expert_group]");
+  if (k > topk_group * (experts / num_expert_group))
+    return InvalidArg("route: topk exceeds the experts of topk_group groups");
+  if (LastDim(bias.dimensions()) != experts ||
+      (rows > 0 && static_cast<int64_t>(bias.element_count()) != batch * experts))
+    return InvalidArg("route: bias must be (..., num_experts) with the batch dims of the logits");
+  return ffi::Error::Success();
+}
+
 struct GemmDims {
   int64_t m, k, groups, n;
 };

@@ -34,7 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
 
 _moe_forward = jax.jit(jax_moe.moe_forward,
-                       static_argnames=("topk", "renormalize", "activation", "backend"))
+                       static_argnames=("topk", "renormalize", "activation", "backend",
+                                        "scoring_func", "num_expert_group", "topk_group",
+                                        "routed_scaling_factor"))
 
 
 def _single(*args, **kwargs):
@@ -44,7 +46,8 @@ def _single(*args, **kwargs):
 
 _sharded = jax.jit(moe_forward_sharded,
                    static_argnames=("topk", "mesh", "ep_axis", "tp_axis", "renormalize",
-                                    "activation", "backend", "strategy"))
+                                    "activation", "backend", "strategy", "scoring_func",
+                                    "num_expert_group", "topk_group", "routed_scaling_factor"))
 
 
 def make_mesh(ep, tp, names=("ep", "tp")):
@@ -327,6 +330,23 @@ def test_errors(rng):
         moe_forward_sharded(x, logits, w13, w2[:, :, :-1], K, mesh=mesh)
     with pytest.raises(ValueError, match=r"\(E, 2, I, H\)"):
         moe_forward_sharded(x, logits, w13.reshape(E, 4, I // 2, H), w2, K, mesh=mesh)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2)], ids=["ep8-tp1", "ep4-tp2"])
+def test_deepseek_routing_sharded(rng, ep, tp, strategy):
+    """Sigmoid scores, correction bias, group-limited top-k, scaling: each
+    device routes its own tokens exactly as moe_forward does."""
+    x, logits, w13, w2 = make_inputs(rng, 37, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(E) * 0.1, jnp.float32)
+    kw = dict(topk=K, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+              routed_scaling_factor=2.5)
+    want = _single(x, logits, w13, w2, e_score_correction_bias=bias, **kw)
+    got = _sharded(x, logits, w13, w2, mesh=make_mesh(ep, tp), strategy=strategy,
+                   e_score_correction_bias=bias, **kw)
+    assert rel_err(got, want) < 1e-5
+    plain = _single(x, logits, w13, w2, topk=K)
+    assert rel_err(plain, want) > 1e-2  # the routing options really changed the result
 
 
 # ------------------------------------------------------------ 2 processes

@@ -8,6 +8,7 @@
 
 #include "ffi_common.h"
 #include "ops.h"
+#include "shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -123,28 +124,11 @@ ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, boo
                           bool has_bias, float routed_scaling_factor,
                           ffi::Result<ffi::Buffer<ffi::F32>> weights,
                           ffi::Result<ffi::Buffer<ffi::S32>> ids) {
-  const auto dims = logits.dimensions();
-  const int64_t experts = LastDim(dims);
-  const int64_t rows = LeadingRows(dims);
-  // Leading dims (..., T): vmap's broadcast_all gives bias (..., E) with the
-  // same batch dims, one bias row per batch element.
-  const int64_t tokens = dims.size() >= 2 ? dims[dims.size() - 2] : 1;
-  const int64_t batch = tokens > 0 ? rows / tokens : 0;
-  const int64_t k = LastDim(weights->dimensions());
-  if (k < 1 || k > experts) return InvalidArg("topk must be in [1, num_experts]");
-  if (static_cast<int64_t>(weights->element_count()) != rows * k ||
-      static_cast<int64_t>(ids->element_count()) != rows * k)
-    return InvalidArg("route: output shapes do not match (rows, topk)");
-  if (scoring != 0 && scoring != 1) return InvalidArg("route: scoring must be 0 (softmax) or 1 (sigmoid)");
-  if (num_expert_group < 1 || experts % num_expert_group)
-    return InvalidArg("route: num_expert_group must be >= 1 and divide num_experts");
-  if (topk_group < 1 || topk_group > num_expert_group)
-    return InvalidArg("route: topk_group must be in [1, num_expert_group]");
-  if (k > topk_group * (experts / num_expert_group))
-    return InvalidArg("route: topk exceeds the experts of topk_group groups");
-  if (LastDim(bias.dimensions()) != experts ||
-      (rows > 0 && static_cast<int64_t>(bias.element_count()) != batch * experts))
-    return InvalidArg("route: bias must be (..., num_experts) with the batch dims of the logits");
+  RouteDims d;
+  if (auto err = CheckRoute(logits, bias, scoring, num_expert_group, topk_group, *weights, *ids, &d);
+      err.failure())
+    return err;
+  const int64_t experts = d.experts, rows = d.rows, tokens = d.tokens, k = d.k;
   const RouteParams p{experts, k, tokens, scoring == 0, has_bias, renormalize,
                       num_expert_group, topk_group, routed_scaling_factor};
   return DispatchFloat(logits.element_type(), "router_logits", [&]<ffi::DataType DT>() {

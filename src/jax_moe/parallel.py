@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moe import _checks, ops, reference
-from jax_moe.pipeline import _validate
+from jax_moe import _checks
+from jax_moe.pipeline import _BACKENDS, _validate
 
 __all__ = ["moe_forward_sharded", "moe_shardings", "STRATEGIES", "AUTO_ALLGATHER_MAX_EP"]
 
@@ -54,8 +54,9 @@ STRATEGIES = ("auto", "allgather", "all_to_all")
 # "auto" uses the all-gather strategy up to this many devices on the ep axis.
 AUTO_ALLGATHER_MAX_EP = 8
 
-_BACKENDS = {"ffi": ops, "reference": reference}
 _DEFAULT_AXES = {"ep_axis": "ep", "tp_axis": "tp"}
+_PLAIN_ROUTING = dict(scoring_func="softmax", num_expert_group=None, topk_group=None,
+                      e_score_correction_bias=None, routed_scaling_factor=1.0)
 
 if hasattr(jax, "shard_map"):
     def _shard_map(f, mesh, in_specs, out_specs):
@@ -86,6 +87,10 @@ class _Plan:
     renormalize: bool
     activation: str
     backend: str
+    scoring_func: str = "softmax"
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
 
     @property
     def token_axes(self):
@@ -117,7 +122,7 @@ def _resolve_axis(mesh: Mesh, name, role: str):
 
 
 def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_axis,
-               renormalize, activation, shared_expert_output, backend, strategy):
+               renormalize, activation, shared_expert_output, backend, strategy, routing=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if backend not in _BACKENDS:
@@ -127,6 +132,10 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
     _checks.activation(activation)
     w13_3d = _w13_as_3d(w13)
     k = _validate(hidden_states, router_logits, w13_3d, w2, topk, shared_expert_output)
+    routing = routing or _PLAIN_ROUTING
+    _, groups, tg, scale = _checks.route_args(
+        router_logits, k, routing["scoring_func"], routing["num_expert_group"],
+        routing["topk_group"], routing["e_score_correction_bias"], routing["routed_scaling_factor"])
 
     ep = _resolve_axis(mesh, ep_axis, "ep_axis")
     tp = _resolve_axis(mesh, tp_axis, "tp_axis")
@@ -148,7 +157,10 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
         strategy = "allgather" if n_ep <= AUTO_ALLGATHER_MAX_EP else "all_to_all"
     return _Plan(mesh=mesh, ep=ep, tp=tp, n_ep=n_ep, n_tp=n_tp, strategy=strategy,
                  tokens=hidden_states.shape[0], experts=experts, inter=inter, topk=k,
-                 renormalize=bool(renormalize), activation=activation, backend=backend)
+                 renormalize=bool(renormalize), activation=activation, backend=backend,
+                 scoring_func=routing["scoring_func"],
+                 num_expert_group=groups if groups > 1 else None,
+                 topk_group=tg if groups > 1 else None, routed_scaling_factor=scale)
 
 
 def _w13_as_3d(w13):
@@ -166,6 +178,9 @@ def _w13_as_3d(w13):
 def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mesh: Mesh,
                         ep_axis: str | None = "ep", tp_axis: str | None = "tp",
                         renormalize: bool = True, activation: str = "silu",
+                        scoring_func: str = "softmax", num_expert_group: int | None = None,
+                        topk_group: int | None = None, e_score_correction_bias=None,
+                        routed_scaling_factor: float = 1.0,
                         shared_expert_output=None, backend: str = "ffi",
                         strategy: str = "auto"):
     """``moe_forward`` over a device mesh, with expert and tensor parallelism.
@@ -183,20 +198,30 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
     name must be a mesh axis). T need not be divisible by the mesh size: the
     tokens are padded internally and the padding is never routed.
 
+    Routing options (scoring_func, num_expert_group, topk_group,
+    e_score_correction_bias, routed_scaling_factor) are moe_forward's; the
+    router runs on each device's own tokens. Shared-expert weights and
+    non-gated experts are not supported here yet: compute the shared expert
+    outside and pass shared_expert_output.
+
     strategy: "allgather", "all_to_all" or "auto" ("allgather" for ep <= 8).
     Both are dropless. Jittable: topk and every keyword argument except
-    shared_expert_output are static Python values. Called eagerly with arrays
+    shared_expert_output and e_score_correction_bias are static Python values. Called eagerly with arrays
     committed to other devices (e.g. one device), it moves them onto the mesh.
     """
+    routing = dict(scoring_func=scoring_func, num_expert_group=num_expert_group,
+                   topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
+                   routed_scaling_factor=routed_scaling_factor)
     plan = _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_axis,
-                      renormalize, activation, shared_expert_output, backend, strategy)
+                      renormalize, activation, shared_expert_output, backend, strategy, routing)
     tok = P(plan.token_axes, None) if plan.tokens % mesh.size == 0 else P()
     w13_spec = P(plan.ep, None, plan.tp, None) if jnp.ndim(w13) == 4 else P(plan.ep, None, None)
     hidden_states, router_logits, w13, w2, shared_expert_output = (
         _onto_mesh(a, mesh, spec) for a, spec in (
             (hidden_states, tok), (router_logits, tok), (w13, w13_spec),
             (w2, P(plan.ep, None, plan.tp)), (shared_expert_output, tok)))
-    return _forward(hidden_states, router_logits, w13, w2, shared_expert_output, plan=plan)
+    bias = _onto_mesh(e_score_correction_bias, mesh, P())
+    return _forward(hidden_states, router_logits, w13, w2, shared_expert_output, bias, plan=plan)
 
 
 def _onto_mesh(a, mesh: Mesh, spec):
@@ -238,7 +263,7 @@ def moe_shardings(mesh: Mesh, ep_axis: str | None = "ep", tp_axis: str | None = 
 # --------------------------------------------------------- the jitted body
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def _forward(hidden_states, router_logits, w13, w2, shared, *, plan: _Plan):
+def _forward(hidden_states, router_logits, w13, w2, shared, bias, *, plan: _Plan):
     mesh = plan.mesh
     n_dev = mesh.size
     tokens, hidden = hidden_states.shape
@@ -262,12 +287,16 @@ def _forward(hidden_states, router_logits, w13, w2, shared, *, plan: _Plan):
     if shared is not None:
         in_specs.append(tok_spec)
         args.append(shared)
-    body = functools.partial(_body, plan=plan, has_shared=shared is not None)
+    if bias is not None:  # replicated: every device routes its own tokens
+        in_specs.append(P(None))
+        args.append(bias)
+    body = functools.partial(_body, plan=plan, has_shared=shared is not None,
+                             has_bias=bias is not None)
     out = _shard_map(body, mesh, tuple(in_specs), tok_spec)(*args)
     return out[:tokens] if padded != tokens else out
 
 
-def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool):
+def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bool):
     """One device: x (T_loc, H), logits (T_loc, E), w13 (E_loc, 2, I_loc, H),
     w2 (E_loc, H, I_loc) -> (T_loc, H)."""
     impl = _BACKENDS[plan.backend]
@@ -276,7 +305,12 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool):
     e_loc = plan.local_experts
     w13 = w13.reshape(e_loc, -1, hidden)  # (E_loc, 2*I_loc, H) = [gate_s; up_s]: a bitcast
 
-    weights, ids = impl.topk_softmax(logits, k, plan.renormalize)
+    shared = rest[0] if has_shared else None
+    bias = rest[-1] if has_bias else None
+    weights, ids = impl.route(
+        logits, k, scoring_func=plan.scoring_func, renormalize=plan.renormalize,
+        num_expert_group=plan.num_expert_group, topk_group=plan.topk_group,
+        e_score_correction_bias=bias, routed_scaling_factor=plan.routed_scaling_factor)
     if plan.tokens % plan.mesh.size:
         # Rows past T are padding. Their ids become E, an expert no ep rank owns:
         # every moe_compute_token_index below drops them (src_to_dst = -1).
@@ -311,8 +345,8 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool):
         # reduce-scatter returns each device its own rows, fully summed.
         y = jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
     y = y[:t_loc]  # drop the metadata rows appended by _gather_tokens
-    if has_shared:
-        y = (y.astype(jnp.float32) + rest[0].astype(jnp.float32)).astype(y.dtype)
+    if shared is not None:
+        y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(y.dtype)
     return y.astype(x.dtype)
 
 
