@@ -30,9 +30,10 @@ if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend 
   pids+=($!)
 fi
 if has sanitize; then  # memcheck over the small edge cases marked `sanitize`
+  # (-v and faulthandler: a crash of the process under the sanitizer names its test)
   (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
      compute-sanitizer --tool memcheck --error-exitcode 9 \
-     python3 -m pytest -q -p no:cacheprovider -m sanitize . > "$OUT/memcheck.log" 2>&1
+     python3 -X faulthandler -m pytest -v -p no:cacheprovider -m sanitize . > "$OUT/memcheck.log" 2>&1
    echo "memcheck exit $?" >> "$OUT/memcheck.log") &
   pids+=($!)
 fi
