@@ -3,6 +3,7 @@
 
 #include "ffi_common.h"
 #include "ops.h"
+#include "attention_checks.h"
 
 namespace nb = nanobind;
 
@@ -28,6 +29,8 @@ NB_MODULE(_jax_moe, m) {
     cpu["jax_moe_group_gemm"] = Capsule(kGroupGemmCpu);
     cpu["jax_moe_gated_act"] = Capsule(kGatedActCpu);
     cpu["jax_moe_combine"] = Capsule(kCombineCpu);
+    cpu["jax_moe_write_kv"] = Capsule(kWriteKvCpu);
+    cpu["jax_moe_paged_decode"] = Capsule(kPagedDecodeCpu);
     platforms["cpu"] = cpu;
 #ifdef JAX_MOE_WITH_CUDA
     nb::dict cuda;
@@ -37,6 +40,8 @@ NB_MODULE(_jax_moe, m) {
     cuda["jax_moe_group_gemm"] = Capsule(kGroupGemmCuda);
     cuda["jax_moe_gated_act"] = Capsule(kGatedActCuda);
     cuda["jax_moe_combine"] = Capsule(kCombineCuda);
+    cuda["jax_moe_write_kv"] = Capsule(kWriteKvCuda);
+    cuda["jax_moe_paged_decode"] = Capsule(kPagedDecodeCuda);
     platforms["CUDA"] = cuda;
 #endif
     return platforms;
@@ -47,4 +52,5 @@ NB_MODULE(_jax_moe, m) {
   m.attr("has_cuda") = false;
 #endif
   m.attr("INDEX_CHUNK") = kIndexChunk;
+  m.attr("DECODE_SPLIT_TOKENS") = kDecodeSplitTokens;
 }

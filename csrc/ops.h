@@ -13,6 +13,8 @@ JAX_MOE_DECLARE(kExpandCpu);
 JAX_MOE_DECLARE(kCombineCpu);
 JAX_MOE_DECLARE(kGroupGemmCpu);
 JAX_MOE_DECLARE(kGatedActCpu);
+JAX_MOE_DECLARE(kWriteKvCpu);
+JAX_MOE_DECLARE(kPagedDecodeCpu);
 
 #ifdef JAX_MOE_WITH_CUDA
 JAX_MOE_DECLARE(kTopkSoftmaxCuda);
@@ -21,6 +23,8 @@ JAX_MOE_DECLARE(kExpandCuda);
 JAX_MOE_DECLARE(kCombineCuda);
 JAX_MOE_DECLARE(kGroupGemmCuda);
 JAX_MOE_DECLARE(kGatedActCuda);
+JAX_MOE_DECLARE(kWriteKvCuda);
+JAX_MOE_DECLARE(kPagedDecodeCuda);
 #endif
 
 #undef JAX_MOE_DECLARE

@@ -33,6 +33,7 @@ def main() -> None:
     w13 = (jax.random.normal(k1, (e, 2 * i, h), jnp.float32) * h**-0.5).astype(dtype)
     w2 = (jax.random.normal(k2, (e, h, i), jnp.float32) * i**-0.5).astype(dtype)
 
+    jax.block_until_ready((x, logits, w13, w2))  # time the layer, not the random weights
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"T={t} H={h} I={i} E={e} k={k} {dtype.name}")
     layer = jax_moe.MoELayer(jax_moe.MoEConfig(
