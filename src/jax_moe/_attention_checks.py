@@ -1,0 +1,142 @@
+"""Argument validation shared by attention.py and attention_reference.py.
+
+Shape and dtype checks run at trace time (free under jax.jit, before any
+kernel). Value checks (slots, page ids, lengths) run only eagerly, on concrete
+arrays: under jit the values are unknown and the kernels clamp/skip instead.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import _checks
+
+HEAD_DIMS = (64, 128, 256)
+# The CUDA decode kernel puts its splits of 256 tokens on grid.y (<= 65535);
+# the same bound holds on every platform (csrc/attention_checks.h).
+MAX_DECODE_TOKENS = 65535 * 256
+
+
+def _concrete(x) -> bool:
+    return _checks.is_concrete(x)
+
+
+def scale_value(scale, d: int) -> float:
+    """The softmax scale: 1/sqrt(D) by default, else a static real number."""
+    if scale is None:
+        return float(1.0 / np.sqrt(d))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a Python float (static) or None, got {scale!r}")
+    return float(scale)
+
+
+def cache_args(k_pages, v_pages) -> None:
+    _checks.rank(k_pages, "k_pages", 4)
+    _checks.rank(v_pages, "v_pages", 4)
+    _checks.float_dtype(k_pages, "k_pages")
+    _checks.same_dtype(k_pages, "k_pages", v_pages, "v_pages")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}, got {v_pages.shape}")
+    if k_pages.shape[1] < 1:
+        raise ValueError(f"page_size (k_pages.shape[1]) must be >= 1, got {k_pages.shape[1]}")
+
+
+def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
+    cache_args(k_pages, v_pages)
+    _checks.rank(k, "k", 3)
+    _checks.rank(v, "v", 3)
+    _checks.same_dtype(k_pages, "k_pages", k, "k")
+    _checks.same_dtype(k_pages, "k_pages", v, "v")
+    _, _, hkv, d = k_pages.shape
+    if k.shape[1:] != (hkv, d):
+        raise ValueError(f"k must be (N, Hkv={hkv}, D={d}) to match k_pages, got {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
+    _checks.rank(slot_mapping, "slot_mapping", 1)
+    _checks.int_dtype(slot_mapping, "slot_mapping")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must have N={k.shape[0]} entries, got {slot_mapping.shape[0]}")
+    num_slots = k_pages.shape[0] * k_pages.shape[1]
+    if num_slots >= 2**31:
+        raise ValueError(f"num_pages * page_size = {num_slots} must be < 2^31 (int32 slots)")
+    if _concrete(slot_mapping) and slot_mapping.shape[0]:
+        s = np.asarray(slot_mapping).astype(np.int64)
+        if int(s.max()) >= num_slots:
+            raise ValueError(
+                f"slot_mapping must lie in [0, num_pages * page_size = {num_slots}) (negative = "
+                f"skip), found {int(s.max())}")
+        valid = s[s >= 0]
+        if np.unique(valid).size != valid.size:
+            raise ValueError("slot_mapping has duplicate slots (each token needs its own slot)")
+
+
+def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
+    cache_args(k_pages, v_pages)
+    _checks.rank(q, "q", 3)
+    _checks.float_dtype(q, "q")
+    _checks.same_dtype(q, "q", k_pages, "k_pages")
+    _checks.rank(page_table, "page_table", 2)
+    _checks.int_dtype(page_table, "page_table")
+    _checks.rank(lengths, "lengths", 1)
+    _checks.int_dtype(lengths, "lengths")
+    b, hq, d = q.shape
+    num_pages, page_size, hkv, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"k_pages' head dim {dk} must equal q's head dim {d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q's head dim must be one of {HEAD_DIMS}, got {d}")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k_pages' kv heads ({hkv})")
+    if page_table.shape[0] != b:
+        raise ValueError(f"page_table must have B={b} rows (q's batch), got {page_table.shape[0]}")
+    if lengths.shape[0] != b:
+        raise ValueError(f"lengths must have B={b} entries (q's batch), got {lengths.shape[0]}")
+    capacity = page_table.shape[1] * page_size
+    if capacity > MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"page_table's capacity max_pages_per_seq * page_size = {capacity} exceeds "
+            f"{MAX_DECODE_TOKENS} tokens")
+    if _concrete(lengths) and b:
+        ln = np.asarray(lengths).astype(np.int64)
+        if int(ln.min()) < 0 or int(ln.max()) > capacity:
+            raise ValueError(
+                f"lengths must lie in [0, max_pages_per_seq * page_size = {capacity}], found "
+                f"values in [{int(ln.min())}, {int(ln.max())}]")
+        if _concrete(page_table):
+            pt = np.asarray(page_table).astype(np.int64)
+            used = np.arange(pt.shape[1])[None, :] * page_size < ln[:, None]
+            bad = used & ((pt < 0) | (pt >= num_pages))
+            if bad.any():
+                bi, pi = (int(x) for x in np.argwhere(bad)[0])
+                raise ValueError(
+                    f"page_table[{bi}, {pi}] = {int(pt[bi, pi])} is outside [0, num_pages = "
+                    f"{num_pages}) but holds tokens of sequence {bi} (length {int(ln[bi])})")
+    return scale_value(scale, d)
+
+
+def prefill_args(q, k, v, cu_seqlens, scale) -> float:
+    _checks.rank(q, "q", 3)
+    _checks.rank(k, "k", 3)
+    _checks.rank(v, "v", 3)
+    _checks.float_dtype(q, "q")
+    _checks.same_dtype(q, "q", k, "k")
+    _checks.same_dtype(q, "q", v, "v")
+    n, hq, d = q.shape
+    if k.shape[0] != n or k.shape[2] != d:
+        raise ValueError(f"k must be (N={n}, Hkv, D={d}) to match q, got {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
+    hkv = k.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k's kv heads ({hkv})")
+    _checks.rank(cu_seqlens, "cu_seqlens", 1)
+    _checks.int_dtype(cu_seqlens, "cu_seqlens")
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens must have B+1 >= 1 entries")
+    if _concrete(cu_seqlens):
+        c = np.asarray(cu_seqlens).astype(np.int64)
+        if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] > n:
+            raise ValueError(
+                f"cu_seqlens must start at 0, be non-decreasing and end at most at N={n}, got {c.tolist()}")
+    return scale_value(scale, d)

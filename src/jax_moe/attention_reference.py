@@ -1,0 +1,84 @@
+"""Pure jax.numpy twins of jax_moe.attention (same names, signatures and
+semantics): the test oracle and a fallback.
+
+Semantics shared with the kernels:
+- write_kv: slots outside [0, num_pages * page_size) are skipped.
+- paged_decode_attention: lengths are clamped to [0, max_pages * page_size];
+  tokens whose page id lies outside [0, num_pages) are skipped (masked out); a
+  sequence with no valid token gets a zero output. Softmax in f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe import _attention_checks as _ac
+
+__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "segment_ids"]
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
+    p, ps, hkv, d = k_pages.shape
+    num_slots = p * ps
+    s = slot_mapping.astype(jnp.int32)
+    s = jnp.where((s >= 0) & (s < num_slots), s, num_slots)  # out of bounds: dropped
+    kf = k_pages.reshape(num_slots, hkv, d).at[s].set(k, mode="drop")
+    vf = v_pages.reshape(num_slots, hkv, d).at[s].set(v, mode="drop")
+    return kf.reshape(k_pages.shape), vf.reshape(v_pages.shape)
+
+
+def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None):
+    scale = _ac.decode_args(q, k_pages, v_pages, page_table, lengths, scale)
+    b, hq, d = q.shape
+    p, ps, hkv, _ = k_pages.shape
+    g = hq // hkv
+    mp = page_table.shape[1]
+    t = jnp.arange(mp * ps)
+    pages = page_table.astype(jnp.int32)[:, t // ps]                       # (B, T)
+    ln = jnp.clip(lengths.astype(jnp.int32), 0, mp * ps)
+    valid = (t[None, :] < ln[:, None]) & (pages >= 0) & (pages < p)
+    slots = jnp.where(valid, pages * ps + t[None, :] % ps, 0)
+    kk = k_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)       # (B, T, Hkv, D)
+    vv = v_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)
+    qf = q.astype(jnp.float32).reshape(b, hkv, g, d) * scale
+    s = jnp.einsum("bhgd,bthd->bhgt", qf, kk, precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(valid[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgt,bthd->bhgd", e, vv, precision=jax.lax.Precision.HIGHEST)
+    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def segment_ids(cu_seqlens, n: int):
+    """(N,) int32: sequence index of each packed token; tokens past
+    cu_seqlens[-1] get -1 (padding)."""
+    pos = jnp.arange(n, dtype=jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    seg = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
+    return jnp.where(pos < cu[-1], seg, -1)
+
+
+def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None):
+    """Dense jnp attention over each packed sequence (f32 softmax); padding
+    tokens (past cu_seqlens[-1]) get a zero output."""
+    scale = _ac.prefill_args(q, k, v, cu_seqlens, scale)
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    seg = segment_ids(cu_seqlens, n)
+    mask = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
+    if causal:
+        mask &= jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    qf = q.astype(jnp.float32).reshape(n, hkv, g, d) * scale
+    s = jnp.einsum("qhgd,khd->hgqk", qf, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    o = jnp.einsum("hgqk,khd->qhgd", e / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return o.reshape(n, hq, d).astype(q.dtype)

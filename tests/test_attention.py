@@ -1,0 +1,448 @@
+"""jax_moe.attention: write_kv, paged_decode_attention (FFI, CPU + CUDA) and
+prefill_attention, each against its jnp twin (attention_reference) and a plain
+numpy float64 dense attention over the same tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu
+from jax_moe import attention, attention_reference
+
+ref_write_kv = jax.jit(attention_reference.write_kv)
+ref_decode = jax.jit(attention_reference.paged_decode_attention, static_argnames=("scale",))
+ref_prefill = jax.jit(attention_reference.prefill_attention, static_argnames=("causal", "scale"))
+# The XLA prefill path rounds the probabilities to the input dtype before P.V
+# (jax.nn.dot_product_attention's XLA implementation): allow twice the ulp.
+PREFILL_RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2,
+                jnp.dtype(jnp.float16): 4e-3}
+
+
+# ---- numpy float64 oracles --------------------------------------------------
+
+def dense_attention_np(q, k, v, scale, causal_offset=None):
+    """q (Tq, Hq, D), k/v (Tk, Hkv, D) float64 -> (Tq, Hq, D); causal_offset: query
+    i sees keys j <= i + causal_offset. No keys: zeros."""
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = np.zeros((tq, hq, d))
+    if k.shape[0] == 0:
+        return out
+    for h in range(hq):
+        s = (q[:, h, :] @ k[:, h // g, :].T) * scale  # (Tq, Tk)
+        if causal_offset is not None:
+            allowed = np.arange(k.shape[0])[None, :] <= np.arange(tq)[:, None] + causal_offset
+            s = np.where(allowed, s, -np.inf)
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        out[:, h, :] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g, :]
+    return out
+
+
+def decode_np(q, k_pages, v_pages, page_table, lengths, scale):
+    q, kp, vp = (np.asarray(a).astype(np.float64) for a in (q, k_pages, v_pages))
+    pt, ln = np.asarray(page_table), np.asarray(lengths)
+    ps = kp.shape[1]
+    out = np.zeros(q.shape)
+    for b in range(q.shape[0]):
+        toks = [(pt[b, t // ps], t % ps) for t in range(ln[b])]
+        toks = [(p, o) for p, o in toks if 0 <= p < kp.shape[0]]
+        k = np.array([kp[p, o] for p, o in toks]).reshape(len(toks), *kp.shape[2:])
+        v = np.array([vp[p, o] for p, o in toks]).reshape(len(toks), *vp.shape[2:])
+        out[b] = dense_attention_np(q[b:b + 1], k, v, scale)[0]
+    return out
+
+
+# ---- random paged caches ----------------------------------------------------
+
+def make_cache(rng, lengths, page_size, hkv, d, dtype, extra_pages=3, max_pages=None,
+               share=False):
+    """Caches with the pages of all sequences in a random order (and spare
+    pages); share=True makes the first page of every sequence the same page
+    (a shared prefix)."""
+    need = [max(1, -(-int(n) // page_size)) for n in lengths]
+    max_pages = max(need) + 1 if max_pages is None else max_pages
+    total = sum(need) + extra_pages
+    perm = rng.permutation(total)
+    table = np.full((len(lengths), max_pages), -1, np.int32)  # unused entries: -1
+    i = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[i:i + n]
+        i += n
+    if share:
+        table[:, 0] = table[0, 0]
+    kp = normal(rng, (total, page_size, hkv, d), dtype)
+    vp = normal(rng, (total, page_size, hkv, d), dtype)
+    return kp, vp, jnp.asarray(table), jnp.asarray(np.asarray(lengths, np.int32))
+
+
+def check_decode(q, kp, vp, table, lengths, dtype, scale=None):
+    s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    out = attention.paged_decode_attention(q, kp, vp, table, lengths, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    want_ref = ref_decode(q, kp, vp, table, lengths, scale=scale)
+    assert_close(out, want_ref, dtype, "decode vs reference")
+    assert_close(out, decode_np(q, kp, vp, table, lengths, s), dtype, "decode vs numpy")
+    assert_close(want_ref, decode_np(q, kp, vp, table, lengths, s), dtype, "reference vs numpy")
+    return out
+
+
+# ---- write_kv ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_write_kv_matches_reference(rng, dtype, page_size):
+    pages, hkv, d, n = 6, 2, 64, 20
+    kp, vp = normal(rng, (pages, page_size, hkv, d), dtype), normal(rng, (pages, page_size, hkv, d), dtype)
+    k, v = normal(rng, (n, hkv, d), dtype), normal(rng, (n, hkv, d), dtype)
+    slots = rng.choice(pages * page_size, size=n, replace=False).astype(np.int32)
+    slots[rng.choice(n, size=4, replace=False)] = -1  # padding tokens
+    slots = jnp.asarray(slots)
+    got = attention.write_kv(kp, vp, k, v, slots)
+    want = ref_write_kv(kp, vp, k, v, slots)
+    for g, w, what in zip(got, want, ("k_pages", "v_pages")):
+        assert_equal(g, w, what)
+    # every valid slot holds its token; the rest is untouched
+    flat_k = np.asarray(got[0]).reshape(-1, hkv, d)
+    s = np.asarray(slots)
+    assert_equal(flat_k[s[s >= 0]], np.asarray(k)[s >= 0], "written rows")
+    untouched = np.setdiff1d(np.arange(pages * page_size), s)
+    assert_equal(flat_k[untouched], np.asarray(kp).reshape(-1, hkv, d)[untouched], "other rows")
+
+
+def test_write_kv_skips_out_of_range_under_jit(rng):
+    """Under jit the values are unknown: slots past the cache are skipped."""
+    kp, vp = normal(rng, (3, 16, 1, 64), jnp.float32), normal(rng, (3, 16, 1, 64), jnp.float32)
+    k, v = normal(rng, (4, 1, 64), jnp.float32), normal(rng, (4, 1, 64), jnp.float32)
+    slots = jnp.asarray([5, 48, 10**6, -7], jnp.int32)
+    got = jax.jit(attention.write_kv)(kp, vp, k, v, slots)
+    want = ref_write_kv(kp, vp, k, v, slots)
+    assert_equal(got[0], want[0], "k_pages")
+    assert_equal(got[1], want[1], "v_pages")
+    assert_equal(np.asarray(got[0]).reshape(-1, 1, 64)[5], np.asarray(k)[0], "slot 5")
+
+
+def test_write_kv_in_place_with_donation(rng):
+    kp, vp = normal(rng, (8, 16, 2, 64), jnp.float32), normal(rng, (8, 16, 2, 64), jnp.float32)
+    k, v = normal(rng, (3, 2, 64), jnp.float32), normal(rng, (3, 2, 64), jnp.float32)
+    slots = jnp.asarray([0, 17, 127], jnp.int32)
+    want = ref_write_kv(kp, vp, k, v, slots)
+    step = jax.jit(attention.write_kv, donate_argnums=(0, 1))
+    hlo = step.lower(kp, vp, k, v, slots).as_text()
+    assert "output_operand_aliases" in hlo or "tf.aliasing_output" in hlo
+    ptr_k, ptr_v = kp.unsafe_buffer_pointer(), vp.unsafe_buffer_pointer()
+    nk, nv = step(kp, vp, k, v, slots)
+    assert kp.is_deleted() and vp.is_deleted()
+    assert nk.unsafe_buffer_pointer() == ptr_k and nv.unsafe_buffer_pointer() == ptr_v
+    assert_equal(nk, want[0], "k_pages")
+    assert_equal(nv, want[1], "v_pages")
+
+
+# ---- paged decode -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_decode_matches_reference_and_numpy(rng, dtype, page_size, gqa):
+    d = int(rng.choice([64, 128, 256]))
+    hkv = 2 if gqa < 8 else 1
+    # lengths: 1, a full last page, a non-multiple, a long one
+    lengths = [1, 2 * page_size, int(rng.integers(2, 3 * page_size)) | 1, 5 * page_size - 3]
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype)
+    q = normal(rng, (len(lengths), hkv * gqa, d), dtype)
+    check_decode(q, kp, vp, table, ln, dtype)
+
+
+def test_decode_shared_pages_and_scale(rng):
+    dtype = jnp.float32
+    kp, vp, table, ln = make_cache(rng, [40, 33, 16, 64], 16, 2, 128, dtype, share=True)
+    q = normal(rng, (4, 8, 128), dtype)
+    check_decode(q, kp, vp, table, ln, dtype, scale=0.05)
+
+
+def test_decode_long_sequences_many_splits(rng):
+    """Longer than several CUDA splits (DECODE_SPLIT_TOKENS), lengths not on a
+    split boundary."""
+    dtype = jnp.bfloat16
+    st = attention.DECODE_SPLIT_TOKENS
+    kp, vp, table, ln = make_cache(rng, [3 * st + 17, st, 1], 32, 2, 64, dtype)
+    q = normal(rng, (3, 4, 64), dtype)
+    check_decode(q, kp, vp, table, ln, dtype)
+
+
+def test_decode_zero_length_gives_zero(rng):
+    kp, vp, table, ln = make_cache(rng, [0, 5], 16, 1, 64, jnp.float32)
+    q = normal(rng, (2, 2, 64), jnp.float32)
+    out = check_decode(q, kp, vp, table, ln, jnp.float32)
+    assert_equal(out[0], np.zeros((2, 64), np.float32), "empty sequence")
+
+
+def test_decode_bad_values_under_jit_are_skipped(rng):
+    """Under jit nothing can be checked: lengths are clamped to the table's
+    capacity and tokens on page ids outside [0, P) are skipped, as the
+    reference does."""
+    kp, vp, table, _ = make_cache(rng, [30, 20, 16], 16, 2, 64, jnp.float32, max_pages=2)
+    table = np.asarray(table).copy()
+    table[0, 1] = 10**6     # second page of sequence 0 is invalid: its tokens are skipped
+    table[1, 0] = -5        # first page of sequence 1 invalid
+    table[2, :] = -1        # no valid page at all: output 0
+    lengths = jnp.asarray([30, 10**6, 16], jnp.int32)  # 10**6 is clamped to 32
+    table = jnp.asarray(table)
+    q = normal(rng, (3, 4, 64), jnp.float32)
+    out = jax.jit(attention.paged_decode_attention)(q, kp, vp, table, lengths)
+    want = ref_decode(q, kp, vp, table, lengths)
+    assert_close(out, want, jnp.float32, "decode vs reference")
+    clamped = jnp.asarray([30, 32, 16], jnp.int32)
+    assert_close(out, decode_np(q, kp, vp, table, clamped, 1 / 8), jnp.float32, "vs numpy")
+    assert_equal(out[2], np.zeros((4, 64), np.float32), "no valid page")
+
+
+def test_decode_is_deterministic(rng):
+    kp, vp, table, ln = make_cache(rng, [300, 77], 16, 2, 128, jnp.bfloat16)
+    q = normal(rng, (2, 8, 128), jnp.bfloat16)
+    f = jax.jit(attention.paged_decode_attention)
+    assert_equal(f(q, kp, vp, table, ln), f(q, kp, vp, table, ln), "two runs")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+def test_write_kv_then_decode_is_dense_attention(rng, dtype):
+    """A prefill of each sequence's tokens through write_kv (pages in random
+    order, padded slot_mapping), then a decode step: dense attention over the
+    written tokens."""
+    page_size, hkv, gqa, d = 16, 2, 4, 64
+    lengths = [1, 16, 37]
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype)
+    kp, vp = jnp.zeros_like(kp), jnp.zeros_like(vp)
+    toks_k = [normal(rng, (n, hkv, d), dtype) for n in lengths]
+    toks_v = [normal(rng, (n, hkv, d), dtype) for n in lengths]
+    tbl = np.asarray(table)
+    slots = [tbl[b, t // page_size] * page_size + t % page_size
+             for b, n in enumerate(lengths) for t in range(n)]
+    pad = 5
+    slot_mapping = jnp.asarray(np.array(slots + [-1] * pad, np.int32))
+    k = jnp.concatenate(toks_k + [jnp.zeros((pad, hkv, d), dtype)])
+    v = jnp.concatenate(toks_v + [jnp.zeros((pad, hkv, d), dtype)])
+    step = jax.jit(attention.write_kv, donate_argnums=(0, 1))
+    kp, vp = step(kp, vp, k, v, slot_mapping)
+    q = normal(rng, (3, hkv * gqa, d), dtype)
+    out = jax.jit(attention.paged_decode_attention)(q, kp, vp, table, ln)
+    want = np.stack([dense_attention_np(np.asarray(q[b:b + 1]).astype(np.float64),
+                                        np.asarray(toks_k[b]).astype(np.float64),
+                                        np.asarray(toks_v[b]).astype(np.float64),
+                                        1 / np.sqrt(d))[0] for b in range(3)])
+    assert_close(out, want, dtype, "write_kv + decode vs dense")
+
+
+# ---- prefill ----------------------------------------------------------------
+
+def prefill_np(q, k, v, cu, causal, scale):
+    q, k, v = (np.asarray(a).astype(np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape)
+    cu = np.asarray(cu)
+    for a, b in zip(cu[:-1], cu[1:]):
+        out[a:b] = dense_attention_np(q[a:b], k[a:b], v[a:b], scale, 0 if causal else None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_prefill_matches_reference_and_numpy(rng, dtype, causal, gqa):
+    n, hkv, d = 96, 1 if gqa == 8 else 2, int(rng.choice([64, 128]))
+    # sequences of length 1, random lengths, and padding at the end
+    lens = [1] + list(rng.integers(2, 30, size=3))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    assert cu[-1] < n
+    q = normal(rng, (n, hkv * gqa, d), dtype)
+    k, v = normal(rng, (n, hkv, d), dtype), normal(rng, (n, hkv, d), dtype)
+    cu_j = jnp.asarray(cu)
+    out = jax.jit(attention.prefill_attention, static_argnames=("causal",))(q, k, v, cu_j, causal=causal)
+    want = prefill_np(q, k, v, cu, causal, 1 / np.sqrt(d))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    rtol = PREFILL_RTOL[jnp.dtype(dtype)]
+    assert_close(out, want, dtype, "prefill vs numpy", rtol=rtol)
+    assert_close(ref_prefill(q, k, v, cu_j, causal=causal), want, dtype, "reference vs numpy")
+    assert_close(out, ref_prefill(q, k, v, cu_j, causal=causal), dtype, "prefill vs reference",
+                 rtol=rtol)
+    assert_equal(out[cu[-1]:], np.zeros_like(np.asarray(out[cu[-1]:])), "padding rows")
+
+
+def test_prefill_path():
+    q = jnp.zeros((8, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    cu = jnp.asarray([0, 3, 8], jnp.int32)
+    want = "cudnn" if attention._cudnn_ok(q) else "xla"
+    assert attention.prefill_path(q, k, k, cu) == want
+    assert attention.prefill_path(q, k, k, cu, implementation="xla") == "xla"
+    if jax.default_backend() == "cpu":
+        assert want == "xla"
+    with pytest.raises(ValueError, match="implementation"):
+        attention.prefill_path(q, k, k, cu, implementation="flash")
+
+
+# ---- errors -----------------------------------------------------------------
+
+def _decode_inputs(b=2, hq=4, hkv=2, d=64, pages=4, ps=16, mp=2, dtype=jnp.float32):
+    q = jnp.zeros((b, hq, d), dtype)
+    kp = jnp.zeros((pages, ps, hkv, d), dtype)
+    return q, kp, kp, jnp.zeros((b, mp), jnp.int32), jnp.ones((b,), jnp.int32)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("heads", ValueError, "multiple of k_pages' kv heads"),
+    ("head_dim", ValueError, "head dim must be one of"),
+    ("dtype", TypeError, "k_pages"),
+    ("vshape", ValueError, "v_pages"),
+    ("table_rows", ValueError, "page_table"),
+    ("lengths_rows", ValueError, "lengths"),
+    ("table_dtype", TypeError, "page_table"),
+    ("page_oob", ValueError, r"page_table\[1, 0\]"),
+    ("page_neg", ValueError, r"page_table\[0, 1\]"),
+    ("len_cap", ValueError, "lengths must lie in"),
+    ("len_neg", ValueError, "lengths must lie in"),
+    ("scale", TypeError, "scale"),
+])
+def test_decode_errors(case, exc, match):
+    q, kp, vp, pt, ln = _decode_inputs()
+    kw = {}
+    if case == "heads":
+        q = jnp.zeros((2, 3, 64))
+    elif case == "head_dim":
+        q, kp, vp, pt, ln = _decode_inputs(d=96)
+    elif case == "dtype":
+        kp = vp = kp.astype(jnp.bfloat16)
+    elif case == "vshape":
+        vp = jnp.zeros((5, 16, 2, 64))
+    elif case == "table_rows":
+        pt = jnp.zeros((3, 2), jnp.int32)
+    elif case == "lengths_rows":
+        ln = jnp.ones((3,), jnp.int32)
+    elif case == "table_dtype":
+        pt = pt.astype(jnp.float32)
+    elif case == "page_oob":
+        pt = pt.at[1, 0].set(4)
+    elif case == "page_neg":
+        pt = pt.at[0, 1].set(-1)
+        ln = jnp.asarray([17, 1], jnp.int32)
+    elif case == "len_cap":
+        ln = jnp.asarray([33, 1], jnp.int32)
+    elif case == "len_neg":
+        ln = jnp.asarray([-1, 1], jnp.int32)
+    elif case == "scale":
+        kw = {"scale": "big"}
+    with pytest.raises(exc, match=match):
+        attention.paged_decode_attention(q, kp, vp, pt, ln, **kw)
+    if case not in ("page_oob", "page_neg", "len_cap", "len_neg"):  # trace-time checks
+        with pytest.raises(exc, match=match):
+            attention_reference.paged_decode_attention(q, kp, vp, pt, ln, **kw)
+
+
+def test_decode_unused_table_entries_may_be_garbage():
+    q, kp, vp, pt, _ = _decode_inputs()
+    pt = jnp.asarray([[1, -1], [2, 99]], jnp.int32)  # second pages unused at length 16
+    ln = jnp.asarray([16, 16], jnp.int32)
+    attention.paged_decode_attention(q, kp, vp, pt, ln)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("slot_high", ValueError, "slot_mapping must lie in"),
+    ("slot_dup", ValueError, "duplicate"),
+    ("slot_len", ValueError, "slot_mapping must have N"),
+    ("slot_dtype", TypeError, "slot_mapping"),
+    ("k_shape", ValueError, "k must be"),
+    ("k_dtype", TypeError, "k "),
+    ("v_shape", ValueError, "v must have"),
+    ("cache_rank", ValueError, "k_pages must have rank 4"),
+])
+def test_write_kv_errors(case, exc, match):
+    kp = jnp.zeros((2, 16, 2, 64))
+    vp = kp
+    k = v = jnp.zeros((3, 2, 64))
+    sl = jnp.asarray([0, 5, -1], jnp.int32)
+    if case == "slot_high":
+        sl = jnp.asarray([0, 32, -1], jnp.int32)
+    elif case == "slot_dup":
+        sl = jnp.asarray([4, 4, -1], jnp.int32)
+    elif case == "slot_len":
+        sl = jnp.asarray([0, 1], jnp.int32)
+    elif case == "slot_dtype":
+        sl = sl.astype(jnp.float32)
+    elif case == "k_shape":
+        k = jnp.zeros((3, 1, 64))
+    elif case == "k_dtype":
+        k = k.astype(jnp.bfloat16)
+    elif case == "v_shape":
+        v = jnp.zeros((2, 2, 64))
+    elif case == "cache_rank":
+        kp = jnp.zeros((32, 2, 64))
+    with pytest.raises(exc, match=match):
+        attention.write_kv(kp, vp, k, v, sl)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("heads", ValueError, "multiple of k's kv heads"),
+    ("kv_len", ValueError, "k must be"),
+    ("dtype", TypeError, "v"),
+    ("cu_bad", ValueError, "cu_seqlens must start at 0"),
+    ("cu_rank", ValueError, "cu_seqlens must have rank 1"),
+])
+def test_prefill_errors(case, exc, match):
+    q = jnp.zeros((8, 4, 64))
+    k = v = jnp.zeros((8, 2, 64))
+    cu = jnp.asarray([0, 3, 8], jnp.int32)
+    if case == "heads":
+        q = jnp.zeros((8, 3, 64))
+    elif case == "kv_len":
+        k = jnp.zeros((7, 2, 64))
+    elif case == "dtype":
+        v = v.astype(jnp.float16)
+    elif case == "cu_bad":
+        cu = jnp.asarray([0, 5, 3], jnp.int32)
+    elif case == "cu_rank":
+        cu = jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(exc, match=match):
+        attention.prefill_attention(q, k, v, cu)
+
+
+# ---- GPU: the CUDA handlers against the CPU ones ----------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_matches_cpu(rng, dtype, d):
+    st = attention.DECODE_SPLIT_TOKENS
+    lengths = [1, 16, 2 * st + 5, 3 * st]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, d, dtype)
+    q = normal(rng, (4, 8, d), dtype)
+    dec = jax.jit(attention.paged_decode_attention)
+    gpu = dec(q, kp, vp, table, ln)
+    cpu = on_cpu(dec, q, kp, vp, table, ln)
+    assert_close(gpu, cpu, dtype, "decode cuda vs cpu")
+    assert_equal(gpu, dec(q, kp, vp, table, ln), "decode cuda run to run")
+    k, v = normal(rng, (7, 2, d), dtype), normal(rng, (7, 2, d), dtype)
+    slots = jnp.asarray([0, 3, -1, 40, 10**6, 17, -2], jnp.int32)
+    wkv = jax.jit(attention.write_kv)
+    for g, c, what in zip(wkv(kp, vp, k, v, slots), on_cpu(wkv, kp, vp, k, v, slots), "kv"):
+        assert_equal(g, c, f"write_kv {what}")
+
+
+# ---- small edge cases (also run under compute-sanitizer on a GPU) -----------
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", ["len1", "empty", "full_page", "bad_pages"])
+def test_sanitize_decode_edges(rng, case):
+    dtype = jnp.bfloat16
+    lengths = {"len1": [1], "empty": [0, 1], "full_page": [16, 32], "bad_pages": [20, 3]}[case]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 1, 64, dtype, extra_pages=0)
+    if case == "bad_pages":  # under jit: skipped, never read
+        table = table.at[0, 1].set(10**6).at[1, 0].set(-3)
+        ln = ln.at[1].set(10**6)
+    q = normal(rng, (len(lengths), 2, 64), dtype)
+    out = jax.jit(attention.paged_decode_attention)(q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, case)
+    k = normal(rng, (2, 1, 64), dtype)
+    sl = jnp.asarray([kp.shape[0] * 16 - 1, kp.shape[0] * 16], jnp.int32)  # last slot, one past
+    nk, nv = jax.jit(attention.write_kv)(kp, vp, k, k, sl)
+    assert_equal(nk, ref_write_kv(kp, vp, k, k, sl)[0], "write_kv edge")
