@@ -1,0 +1,292 @@
+"""Attention benchmark: jax_moe.attention's paged decode and packed prefill
+against dense jax.nn.dot_product_attention on contiguous (padded) tensors.
+
+decode:  paged_decode_attention (page sizes 16 and 64, pages in random order)
+         vs jax.nn.dot_product_attention(implementation="xla" | "cudnn") on a
+         contiguous (B, L, Hkv, D) cache with key_value_seq_lengths. Reported
+         as µs per call and TB/s of KV read: the bytes of K and V that the
+         lengths cover (sum(lengths) * Hkv * D * 2 * itemsize).
+prefill: prefill_attention on B sequences packed into S tokens (its default
+         path, and forced "xla") vs dense causal attention on the padded batch
+         (B, S/B, H, D) ("xla" | "cudnn"). Reported as µs and TFLOP/s of useful
+         causal FLOPs: 4 * Hq * D * sum_i s_i (s_i + 1) / 2.
+
+Timing as in bench_moe.py: one jitted loop of many calls, each call's output
+is the next call's query (nothing hoisted or cached); after a warm-up the loop
+runs several times and the median per-call time is reported. cuDNN rows are
+attempted on GPU only and recorded as failed when cuDNN refuses the shape.
+
+    python benchmarks/bench_attention.py                       # full grid (meant for the GPU)
+    python benchmarks/bench_attention.py --quick --json a.json # tiny sizes, any backend (CI smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import date
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import attention
+
+DECODE_CASES = ((64, 4096), (8, 32768))      # (B, L)
+PREFILL_CASES = ((1, 4096), (4, 8192))       # (B sequences, S packed tokens)
+PAGE_SIZES = (16, 64)
+HEADS = (32, 8, 128)                         # Hq, Hkv, D
+QUICK_DECODE_CASES = ((4, 256), (2, 1024))
+QUICK_PREFILL_CASES = ((1, 128), (2, 256))
+QUICK_HEADS = (4, 2, 64)
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_loop(step, q, args, calls, repeats):
+    """Median seconds per call of `step(q, *args) -> q'` run `calls` times in
+    one jitted fori_loop, each call on the previous call's output."""
+
+    @jax.jit
+    def run(q, *args):
+        return jax.lax.fori_loop(0, calls, lambda i, x: step(x, *args), q)
+
+    run(q, *args).block_until_ready()  # compile + warm-up
+    return statistics.median(_time(lambda: run(q, *args).block_until_ready()) / calls
+                             for _ in range(repeats))
+
+
+def dense_impls(on_gpu: bool):
+    return ("xla", "cudnn") if on_gpu else ("xla",)
+
+
+def _failed(what, exc):
+    msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+    print(f"  {what} failed: {msg}")
+
+
+def bench_decode(b, length, heads, dtype, calls, repeats, on_gpu, rng):
+    hq, hkv, d = heads
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, length, hkv, d), jnp.float32).astype(dtype)   # contiguous
+    v = jax.random.normal(kv, (b, length, hkv, d), jnp.float32).astype(dtype)
+    lengths = jnp.full((b,), length, jnp.int32)
+    item = jnp.dtype(dtype).itemsize
+    kv_bytes = float(np.sum(np.asarray(lengths))) * hkv * d * 2 * item
+    case = f"B={b} L={length}"
+    rows = []
+
+    def row(impl, sec, err=None):
+        r = {"kind": "decode", "case": case, "B": b, "L": length, "impl": impl,
+             "us": None if sec is None else sec * 1e6, "kv_bytes": kv_bytes,
+             "tbps": None if sec is None else kv_bytes / sec / 1e12, "max_abs_err_vs_xla": err}
+        rows.append(r)
+        return r
+
+    # Dense XLA first: the yardstick the paged outputs are compared with.
+    def dense(impl):
+        def step(x, k, v, lengths):
+            o = jax.nn.dot_product_attention(x[:, None], k, v, key_value_seq_lengths=lengths,
+                                             implementation=impl)
+            return o[:, 0]
+        return step
+
+    want = None
+    for impl in dense_impls(on_gpu):
+        try:
+            sec = time_loop(dense(impl), q, (k, v, lengths), calls, repeats)
+            out = jax.jit(dense(impl))(q, k, v, lengths)
+            if impl == "xla":
+                want = np.asarray(out.astype(jnp.float32))
+                err = None  # the yardstick itself
+            else:
+                err = float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
+            row(f"dense {impl}", sec, err)
+        except Exception as exc:  # noqa: BLE001 - cuDNN may refuse a shape: recorded
+            _failed(f"decode {case} dense {impl}", exc)
+            row(f"dense {impl}", None)
+
+    for ps in PAGE_SIZES:
+        if length % ps:
+            continue
+        per_seq = length // ps
+        num_pages = b * per_seq
+        # The same tokens, scattered over pages in a random order.
+        perm = rng.permutation(num_pages).astype(np.int32)
+        table = jnp.asarray(perm.reshape(b, per_seq))
+        inv = np.argsort(perm)  # page id -> (sequence, page index) of the contiguous cache
+        k_pages = k.reshape(num_pages, ps, hkv, d)[inv]
+        v_pages = v.reshape(num_pages, ps, hkv, d)[inv]
+
+        def step(x, kp, vp, table, lengths):
+            return attention.paged_decode_attention(x, kp, vp, table, lengths)
+
+        sec = time_loop(step, q, (k_pages, v_pages, table, lengths), calls, repeats)
+        out = jax.jit(step)(q, k_pages, v_pages, table, lengths)
+        err = None if want is None else float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
+        row(f"paged ps={ps}", sec, err)
+        del k_pages, v_pages
+    return rows
+
+
+def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
+    hq, hkv, d = heads
+    if s % b:
+        raise ValueError(f"prefill S={s} must be a multiple of B={b}")
+    per = s // b
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (s, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (s, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (s, hkv, d), jnp.float32).astype(dtype)
+    cu = jnp.asarray(np.arange(b + 1, dtype=np.int32) * per)
+    flops = 4.0 * hq * d * b * per * (per + 1) / 2
+    case = f"B={b} S={s}"
+    rows = []
+
+    def row(impl, sec):
+        r = {"kind": "prefill", "case": case, "B": b, "S": s, "impl": impl,
+             "us": None if sec is None else sec * 1e6, "flops": flops,
+             "tflops": None if sec is None else flops / sec / 1e12}
+        rows.append(r)
+
+    def packed(impl):
+        def step(x, k, v, cu):
+            return attention.prefill_attention(x, k, v, cu, causal=True, implementation=impl)
+        return step
+
+    auto = attention.prefill_path(q, k, v, cu)
+    for impl in (None, "xla") if auto != "xla" else (None,):
+        name = f"packed prefill_attention ({impl or 'auto: ' + auto})"
+        try:
+            row(name, time_loop(packed(impl), q, (k, v, cu), calls, repeats))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the N x N mask: recorded
+            _failed(f"prefill {case} {name}", exc)
+            row(name, None)
+
+    def dense(impl):
+        def step(x, k, v):
+            o = jax.nn.dot_product_attention(x.reshape(b, per, hq, d), k.reshape(b, per, hkv, d),
+                                             v.reshape(b, per, hkv, d), is_causal=True,
+                                             implementation=impl)
+            return o.reshape(s, hq, d)
+        return step
+
+    for impl in dense_impls(on_gpu):
+        try:
+            row(f"dense padded {impl}", time_loop(dense(impl), q, (k, v), calls, repeats))
+        except Exception as exc:  # noqa: BLE001
+            _failed(f"prefill {case} dense {impl}", exc)
+            row(f"dense padded {impl}", None)
+    return rows
+
+
+def _fmt(x, spec):
+    return "failed" if x is None else format(x, spec)
+
+
+def print_row(r):
+    if r["kind"] == "decode":
+        err = r["max_abs_err_vs_xla"]
+        extra = f"{_fmt(r['tbps'], '.3f'):>10} TB/s  err vs xla {'-' if err is None else f'{err:.1e}'}"
+    else:
+        extra = f"{_fmt(r['tflops'], '.2f'):>10} TFLOP/s"
+    print(f"{r['kind']:<8}{r['case']:<16}{r['impl']:<38}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
+          flush=True)
+
+
+def _write_json(path, meta, rows):
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, kind, metric, label in ((axes[0], "decode", "tbps", "TB/s of KV read"),
+                                    (axes[1], "prefill", "tflops", "TFLOP/s (causal)")):
+        rs = [r for r in rows if r["kind"] == kind]
+        cases = list(dict.fromkeys(r["case"] for r in rs))
+        impls = list(dict.fromkeys(r["impl"] for r in rs))
+        width = 0.8 / max(1, len(impls))
+        for j, impl in enumerate(impls):
+            vals = [next((r[metric] or 0.0 for r in rs if r["case"] == c and r["impl"] == impl), 0.0)
+                    for c in cases]
+            ax.bar(np.arange(len(cases)) + j * width, vals, width, label=impl)
+        ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
+        ax.set_xticklabels(cases)
+        ax.set_ylabel(label)
+        ax.set_title(kind)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, any backend (smoke test)")
+    p.add_argument("--only", choices=["decode", "prefill"], help="run one kind only")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default bfloat16 (float32 for --quick on CPU)")
+    p.add_argument("--calls", type=int, default=None, help="calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None, help="write the results here (JSON)")
+    p.add_argument("--plot", default=None, help="draw a PNG here (needs matplotlib)")
+    args = p.parse_args()
+
+    backend = jax.default_backend()
+    on_gpu = backend in ("gpu", "cuda")
+    decode_cases = QUICK_DECODE_CASES if args.quick else DECODE_CASES
+    prefill_cases = QUICK_PREFILL_CASES if args.quick else PREFILL_CASES
+    heads = QUICK_HEADS if args.quick else HEADS
+    calls = args.calls or (2 if args.quick else 20)
+    repeats = 2 if args.quick else args.repeats
+    if args.dtype:
+        dtype = jnp.dtype(args.dtype)
+    else:
+        dtype = jnp.dtype(jnp.float32 if args.quick and backend == "cpu" else jnp.bfloat16)
+    dev = jax.devices()[0].device_kind
+    hq, hkv, d = heads
+    print(f"# {date.today()} {dev} ({backend}), jax {jax.__version__}, {dtype.name}, "
+          f"Hq={hq} Hkv={hkv} D={d}; {calls} calls per loop, median of {repeats}")
+    meta = {"date": str(date.today()), "device": dev, "backend": backend, "jax": jax.__version__,
+            "dtype": dtype.name, "Hq": hq, "Hkv": hkv, "D": d, "calls": calls,
+            "repeats": repeats, "quick": args.quick}
+    rng = np.random.default_rng(0)
+    rows = []
+    _write_json(args.json, meta, rows)
+    print(f"{'kind':<8}{'case':<16}{'impl':<38}{'time':>12}")
+    jobs = []
+    if args.only in (None, "decode"):
+        jobs += [(bench_decode, c) for c in decode_cases]
+    if args.only in (None, "prefill"):
+        jobs += [(bench_prefill, c) for c in prefill_cases]
+    for fn, (b, n) in jobs:
+        for r in fn(b, n, heads, dtype, calls, repeats, on_gpu, rng):
+            rows.append(r)
+            print_row(r)
+        _write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
+    if args.json:
+        print(f"json: {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
