@@ -23,14 +23,13 @@ attempted on GPU only and recorded as failed when cuDNN refuses the shape.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from datetime import date
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _bench_common import pyplot, wall_time, write_json
 
 from jax_moe import attention
 
@@ -43,11 +42,6 @@ QUICK_PREFILL_CASES = ((1, 128), (2, 256))
 QUICK_HEADS = (4, 2, 64)
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
 
 def time_loop(step, q, args, calls, repeats):
     """Median seconds per call of `step(q, *args) -> q'` run `calls` times in
@@ -58,7 +52,7 @@ def time_loop(step, q, args, calls, repeats):
         return jax.lax.fori_loop(0, calls, lambda i, x: step(x, *args), q)
 
     run(q, *args).block_until_ready()  # compile + warm-up
-    return statistics.median(_time(lambda: run(q, *args).block_until_ready()) / calls
+    return statistics.median(wall_time(lambda: run(q, *args).block_until_ready()) / calls
                              for _ in range(repeats))
 
 
@@ -203,19 +197,10 @@ def print_row(r):
           flush=True)
 
 
-def _write_json(path, meta, rows):
-    if path:
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, kind, metric, label in ((axes[0], "decode", "tbps", "TB/s of KV read"),
@@ -270,7 +255,7 @@ def main() -> None:
             "repeats": repeats, "quick": args.quick}
     rng = np.random.default_rng(0)
     rows = []
-    _write_json(args.json, meta, rows)
+    write_json(args.json, meta, rows)
     print(f"{'kind':<8}{'case':<16}{'impl':<38}{'time':>12}")
     jobs = []
     if args.only in (None, "decode"):
@@ -281,7 +266,7 @@ def main() -> None:
         for r in fn(b, n, heads, dtype, calls, repeats, on_gpu, rng):
             rows.append(r)
             print_row(r)
-        _write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
+        write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
     if args.json:
         print(f"json: {args.json}")
     if args.plot:

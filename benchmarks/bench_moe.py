@@ -15,14 +15,13 @@ of the experts the batch touches plus activations in and out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from datetime import date
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _bench_common import pyplot, wall_time, write_json
 
 import jax_moe
 
@@ -59,7 +58,7 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
 
     def rate(fn, arg, work):
         fn(arg).block_until_ready()
-        return work * reps / min(_time(lambda: fn(arg).block_until_ready()) for _ in range(3))
+        return work * reps / min(wall_time(lambda: fn(arg).block_until_ready()) for _ in range(3))
 
     n = 1 << 30  # 2 GiB of bf16
     copy = jax.jit(lambda v: jax.lax.fori_loop(0, reps, lambda i, a: a + jnp.bfloat16(1), v))
@@ -69,11 +68,6 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
     mm = jax.jit(lambda v: jax.lax.fori_loop(0, reps, lambda i, a: a @ x, v))
     return bw, rate(mm, x, 2 * m**3)
 
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def make_loop(backend: str, topk: int, calls: int, routing: dict):
@@ -124,7 +118,7 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
             print(f"  pure-JAX path failed for {name} T={tokens}: {str(exc).splitlines()[0][:120]}")
             row[f"{backend}_us"] = None
             continue
-        times = [_time(lambda: run(x, logits, w13, w2, bias).block_until_ready()) / calls
+        times = [wall_time(lambda: run(x, logits, w13, w2, bias).block_until_ready()) / calls
                  for _ in range(repeats)]
         row[f"{backend}_us"] = statistics.median(times) * 1e6
     row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)
@@ -134,18 +128,10 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
     return row
 
 
-def _write_json(path, meta, rows):
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     names = sorted({r["shape"] for r in rows})
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
@@ -197,14 +183,14 @@ def main() -> None:
             "quick": args.quick}
     rng = np.random.default_rng(0)
     rows = []
-    _write_json(args.json, meta, rows)
+    write_json(args.json, meta, rows)
     print(f"{'shape':<16}{'T':>6}{'floor µs':>10}{'jax_moe µs':>12}{'% floor':>9}"
           f"{'TFLOP/s':>9}{'pure JAX µs':>13}{'speed-up':>9}")
     for name, shape in shapes.items():
         for t in tokens:
             r = bench_case(name, shape, t, dtype, calls, repeats, bw, rate, rng)
             rows.append(r)
-            _write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
+            write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
             ref = "failed" if r["reference_us"] is None else f"{r['reference_us']:.1f}"
             speed = "-" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:.2f}x"
             print(f"{name:<16}{t:>6}{r['floor_us']:>10.1f}{r['ffi_us']:>12.1f}"
