@@ -47,6 +47,21 @@ NB_MODULE(_jax_moe, m) {
     return platforms;
   });
 #ifdef JAX_MOE_WITH_CUDA
+  m.def("device_info", [](int ordinal) -> nb::object {
+    DeviceInfo i;
+    if (!QueryDevice(ordinal, &i).empty()) return nb::none();  // no such device / no driver
+    nb::dict d;
+    d["name"] = i.name;
+    d["compute_capability"] = nb::make_tuple(i.major, i.minor);
+    d["sm_count"] = i.sm_count;
+    d["smem_per_block_optin"] = i.smem_per_block_optin;
+    d["smem_per_sm"] = i.smem_per_sm;
+    d["l2_bytes"] = i.l2_bytes;
+    d["global_mem_bytes"] = i.global_mem_bytes;
+    d["memory_bus_bits"] = i.memory_bus_bits;
+    d["memory_clock_khz"] = i.memory_clock_khz;
+    return d;
+  }, nb::arg("ordinal") = 0, "The CUDA device's properties (None without a usable device).");
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

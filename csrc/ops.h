@@ -1,6 +1,9 @@
 // Handler symbols defined in csrc/cpu/*.cc and csrc/cuda/*.cu, registered by module.cc.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_moe {
@@ -28,5 +31,17 @@ JAX_MOE_DECLARE(kPagedDecodeCuda);
 #endif
 
 #undef JAX_MOE_DECLARE
+
+#ifdef JAX_MOE_WITH_CUDA
+// The hardware descriptor (csrc/cuda/device_info.cu).
+struct DeviceInfo {
+  std::string name;
+  int major = 0, minor = 0, sm_count = 0;
+  int64_t smem_per_block_optin = 0, smem_per_sm = 0, l2_bytes = 0, global_mem_bytes = 0;
+  int memory_bus_bits = 0, memory_clock_khz = 0;
+};
+// Fills `info` for device `ordinal`; returns "" or the CUDA error's text.
+std::string QueryDevice(int ordinal, DeviceInfo* info);
+#endif
 
 }  // namespace jax_moe

@@ -43,16 +43,21 @@ inline ffi::Error CheckRoute(const ffi::AnyBuffer& logits, const ffi::Buffer<ffi
 
 struct GemmDims {
   int64_t m, k, groups, n;
+  int64_t x_rows;  // rows of x (== m without a gather)
 };
 
+// x (M, K), or with `gather` x (T, K) and rows (M,) naming token rows (step 3
+// fused into the GEMM); w (E, N, K); out (M, N).
 inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
-                                 const ffi::Buffer<ffi::S32>& sizes, const ffi::AnyBuffer& out,
-                                 GemmDims* d) {
+                                 const ffi::Buffer<ffi::S32>& sizes,
+                                 const ffi::Buffer<ffi::S32>& rows, bool gather, int64_t topk,
+                                 int64_t tile_m, const ffi::AnyBuffer& out, GemmDims* d) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3)
     return InvalidArg("group_gemm: x must be (M, K) and w (E, N, K)");
-  *d = {xd[0], xd[1], wd[0], wd[1]};
+  const int64_t m = gather ? static_cast<int64_t>(rows.element_count()) : xd[0];
+  *d = {m, xd[1], wd[0], wd[1], xd[0]};
   if (wd[2] != d->k) return InvalidArg("group_gemm: K of x and w differ");
   if (static_cast<int64_t>(sizes.element_count()) != d->groups)
     return InvalidArg("group_gemm: expert_sizes must have E entries");
@@ -60,6 +65,10 @@ inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
     return InvalidArg("group_gemm: x, w and the output must share a dtype");
   if (out.element_count() != static_cast<size_t>(d->m * d->n))
     return InvalidArg("group_gemm: output must be (M, N)");
+  if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
+    return InvalidArg("group_gemm: topk must be in [1, 2^20]");
+  if (tile_m != 8 && tile_m != 32 && tile_m != 64 && tile_m != 128)
+    return InvalidArg("group_gemm: tile_m must be 8, 32, 64 or 128");
   return ffi::Error::Success();
 }
 

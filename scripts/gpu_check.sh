@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device-tool call: build against the machine's jax, then the GPU test
-# suite and a compute-sanitizer memcheck pass side by side, the example, and
-# the benchmark (cut off after BENCH_SECONDS; it saves its JSON after every
-# case). Logs go to $OUT (or ./gpu_out when run by hand).
-#   bash scripts/gpu_check.sh [build] [test] [sanitize] [example] [bench]
+# suite and a compute-sanitizer memcheck pass side by side, the grouped GEMM
+# tuning (its table goes to $OUT/tuning and is used by the later steps), the
+# example, and the benchmarks (cut off after BENCH_SECONDS; they save JSON
+# after every case). Logs go to $OUT (or ./gpu_out when run by hand).
+#   bash scripts/gpu_check.sh [build] [test] [sanitize] [tune] [example] [bench] [attn]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -44,6 +45,14 @@ for f in pytest_gpu memcheck; do
   grep -q "exit 0" "$OUT/$f.log" || rc=1
 done
 
+if has tune; then
+  mkdir -p "$OUT/tuning"
+  PYTHONPATH=$SITE timeout "${TUNE_SECONDS:-240}" python3 -m jax_moe.tune \
+    --out "$OUT/tuning/$(python3 -c 'import jax; print("".join(c if c.isalnum() else "_" for c in jax.devices()[0].device_kind))').json" \
+    ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
+  echo "=== tune (exit $?)"; tail -60 "$OUT/tune.log"
+  export JAX_MOE_TUNING_DIR=$OUT/tuning
+fi
 if has example; then
   PYTHONPATH=$SITE python3 examples/moe_layer.py --tokens 256 > "$OUT/example.log" 2>&1 || rc=1
   echo "=== example"; tail -4 "$OUT/example.log"
@@ -52,5 +61,10 @@ if has bench; then
   PYTHONPATH=$SITE timeout "${BENCH_SECONDS:-240}" python3 benchmarks/bench_moe.py \
     --json "$OUT/bench_moe.json" --plot "$OUT/bench_moe.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "=== bench (exit $?)"; cat "$OUT/bench.log"
+fi
+if has attn; then
+  PYTHONPATH=$SITE timeout "${ATTN_SECONDS:-180}" python3 benchmarks/bench_attention.py \
+    --json "$OUT/bench_attention.json" --plot "$OUT/bench_attention.png" > "$OUT/bench_attention.log" 2>&1
+  echo "=== attention bench (exit $?)"; cat "$OUT/bench_attention.log"
 fi
 exit $rc

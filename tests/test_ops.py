@@ -16,7 +16,8 @@ import pytest
 import oracle
 from common import (DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu,
                     random_ids, ref, routing_allowed, split_rows)
-from jax_moe import ops
+from conftest import ON_GPU
+from jax_moe import ops, reference
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
@@ -148,6 +149,7 @@ INDEX_SHAPES = [  # (T, k, E)
     (7, 2, 8),
     (128, 2, 8),     # T*k = 256: exactly one index chunk
     (129, 2, 8),     # one past a chunk
+    (30, 8, 3000),   # the one-launch path (T*k <= 256) with many experts per lane
     (300, 8, 64),
     (1000, 6, 160),
     (1000, 8, 2048),  # many experts, most of them empty
@@ -333,6 +335,105 @@ def test_cuda_group_gemm_large(rng, k, dtype):
     assert_close(got, on_cpu(ops.group_gemm, x, w, sizes), dtype, "CUDA vs CPU")
     assert_close(got, ref.group_gemm(x, w, sizes), dtype, "CUDA vs reference")
     assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+# Shapes where the CUDA kernels switch paths: rows per expert around the
+# decode tile (8) and the tensor-core tiles (32, 64, 128), K a multiple of 8
+# but not of the 32-element k step, K odd (the decode kernel falls back to the
+# 32-row tile), N not a multiple of the 64/128-column tiles, E > M.
+TILE_SHAPES = [
+    (1, 72, 26, 7),      # one row (decode, T = 1, k = 1)
+    (16, 264, 130, 128), # E >> M: most experts empty
+    (45, 264, 70, 5),    # ~9 rows per expert: one or two decode tiles each
+    (300, 136, 200, 3),  # ~100 rows per expert: many tiles of every size
+    (20, 13, 9, 4),      # K odd
+]
+
+
+# The CPU handler has one path whatever tile_m says: on CPU one tile is enough.
+GPU_TILES = [8, 32, 64, 128] if ON_GPU else [32]
+
+
+@dtypes
+@pytest.mark.parametrize("tile_m", GPU_TILES)
+@pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
+@pytest.mark.parametrize("shape", TILE_SHAPES, ids=str)
+def test_group_gemm_tiles(rng, shape, pattern, tile_m, dtype):
+    m, k, n, experts = shape
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
+    got = ops.group_gemm(x, w, sizes, tile_m=tile_m)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"tile_m={tile_m}, sizes={sizes}")
+    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+def _gather_rows(rng, tokens, topk, experts, extra_invalid=True):
+    """dst_to_src of a random routing, plus -1 and out-of-range entries."""
+    ids = jnp.asarray(np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]),
+                      jnp.int32)
+    _, dst_to_src, sizes = ref.moe_compute_token_index(ids, num_experts=experts)
+    d2s = np.asarray(dst_to_src).copy()
+    if extra_invalid and d2s.size >= 3:
+        d2s[rng.integers(d2s.size)] = -1
+        d2s[rng.integers(d2s.size)] = tokens * topk      # one past the last valid entry
+        d2s[rng.integers(d2s.size)] = -(1 << 30)
+    return jnp.asarray(d2s), sizes
+
+
+@pytest.mark.sanitize
+@dtypes
+@pytest.mark.parametrize("tile_m", [None, 8, 32, 128])
+@pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 70, 6, 3), (5, 13, 9, 4, 4)],
+                         ids=["T1", "T37", "K13_topk_eq_E"])
+def test_group_gemm_gather_matches_expand_then_gemm(rng, shape, tile_m, dtype):
+    tokens, k, n, experts, topk = shape
+    x = normal(rng, (tokens, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
+    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=tile_m)
+    want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
+    assert got.shape == (tokens * topk, n) and got.dtype == dtype
+    assert_close(got, want, dtype, f"gather, tile_m={tile_m}")
+    assert_close(reference.group_gemm_gather(x, w, sizes, d2s, topk), want, dtype, "reference twin")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tile_m", [8, 32, 64, 128])
+def test_group_gemm_tiles_small_sanitize(rng, tile_m):
+    # Small cases of every tile for compute-sanitizer: empty experts, a
+    # partial tail, K and N off the tile sizes.
+    for m, k, n, experts in [(1, 72, 26, 7), (45, 264, 70, 5), (20, 13, 9, 4)]:
+        x = normal(rng, (m, k), jnp.bfloat16)
+        w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+        sizes = jnp.asarray(split_rows(rng, m, experts, "partial"))
+        assert_close(ops.group_gemm(x, w, sizes, tile_m=tile_m), ref.group_gemm(x, w, sizes),
+                     jnp.bfloat16, f"tile_m={tile_m} m={m}")
+
+
+@pytest.mark.parametrize("bad", [0, 16, 256, -8, 8.0, "8"])
+def test_group_gemm_rejects_bad_tile_m(bad):
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    w = jnp.zeros((2, 6, 8), jnp.bfloat16)
+    sizes = jnp.asarray([2, 2], jnp.int32)
+    for mod in (ops, reference):
+        with pytest.raises((ValueError, TypeError), match="tile_m"):
+            mod.group_gemm(x, w, sizes, tile_m=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_m", [8, 32, 64, 128])
+def test_cuda_group_gemm_tiles_large(rng, tile_m):
+    # Real model widths (K = 2048, N = 1536) with decode- and prefill-like
+    # routings, CUDA against the CPU handler.
+    for m, experts in [(8, 128), (1024, 128), (4096, 16)]:
+        x = normal(rng, (m, 2048), jnp.bfloat16)
+        w = normal(rng, (experts, 1536, 2048), jnp.bfloat16, scale=2048**-0.5)
+        sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
+        got = ops.group_gemm(x, w, sizes, tile_m=tile_m)
+        assert_close(got, on_cpu(ops.group_gemm, x, w, sizes), jnp.bfloat16,
+                     f"CUDA tile_m={tile_m} m={m} vs CPU")
 
 
 # ------------------------------------------------------------- step 5: activation

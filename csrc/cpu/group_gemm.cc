@@ -1,5 +1,7 @@
 // Steps 4 and 6 on the CPU: out[rows of group e] = x[rows of e] @ w[e]^T,
-// f32 accumulation. Rows past sum(expert_sizes) are zero.
+// f32 accumulation. Rows past sum(expert_sizes) are zero. With `gather`, row r
+// of the input is x[rows[r] / topk] (zero when out of range), as in step 3.
+// tile_m is a CUDA tuning knob: checked, otherwise unused here.
 #include <algorithm>
 #include <vector>
 
@@ -24,9 +26,9 @@ inline float Dot(const float* a, const float* b, int64_t n) {
 }
 
 template <ffi::DataType DT>
-void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes,
-               int64_t m, int64_t groups, int64_t n, int64_t k,
-               void* out_raw) {
+void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes, const GemmDims& d,
+               const int32_t* rows, int64_t topk, void* out_raw) {
+  const int64_t m = d.m, groups = d.groups, n = d.n, k = d.k;
   using S = HostScalar<DT>;
   const auto* x = static_cast<const typename S::Storage*>(x_raw);
   const auto* w = static_cast<const typename S::Storage*>(w_raw);
@@ -40,7 +42,12 @@ void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes,
     wf.resize(n * k);
     for (int64_t i = 0; i < n * k; ++i) wf[i] = S::Load(w[e * n * k + i]);
     for (int64_t r = row; r < row + count; ++r) {
-      for (int64_t c = 0; c < k; ++c) xf[c] = S::Load(x[r * k + c]);
+      int64_t src = r;
+      if (rows != nullptr) {
+        const int64_t s = rows[r];
+        src = s >= 0 && s < d.x_rows * topk ? s / topk : -1;
+      }
+      for (int64_t c = 0; c < k; ++c) xf[c] = src >= 0 ? S::Load(x[src * k + c]) : 0.f;
       for (int64_t c = 0; c < n; ++c)
         out[r * n + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));
     }
@@ -50,14 +57,16 @@ void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes,
 }
 
 ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::S32> expert_sizes,
+                        ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
+                        bool gather, int64_t topk, int64_t tile_m,
                         ffi::Result<ffi::AnyBuffer> out) {
   GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, *out, &d); err.failure()) return err;
-  const int64_t m = d.m, k = d.k, groups = d.groups, n = d.n;
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
+      err.failure())
+    return err;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() {
-    GroupGemm<DT>(x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
-                  m, groups, n, k, out->untyped_data());
+    GroupGemm<DT>(x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
+                  gather ? rows.typed_data() : nullptr, topk, out->untyped_data());
     return ffi::Error::Success();
   });
 }
@@ -69,6 +78,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("gather")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("tile_m")
                                   .Ret<ffi::AnyBuffer>());
 
 }  // namespace jax_moe

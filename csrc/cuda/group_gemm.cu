@@ -4,7 +4,7 @@
 //
 // Design
 //  * One launch, no host sync: the grid has an upper bound of "m-slots"
-//    (ceil(M/BM) + E + 1 >= sum_e ceil(rows_e/BM) + 1) times ceil(N/BN) column
+//    (min(ceil(M/BM) + E, M) + 1 >= sum_e ceil(rows_e/BM) + 1) times ceil(N/BN) column
 //    tiles. Every block recomputes the per-expert tile schedule from
 //    expert_sizes on the device (a block-wide prefix scan, 1024 experts per
 //    pass) and finds the (expert, row tile) its m-slot owns. Slots past the
@@ -14,8 +14,18 @@
 //    tiles in L2 (a plain 2-D grid would stream all of x once per column tile).
 //    A grid-stride loop over the linear block id removes every grid-size limit.
 //  * bf16/f16: tensor cores (mma.sync m16n8k16 fed by ldmatrix), f32
-//    accumulate. 128x128x32 tiles, 8 warps of 64x32, a 3-stage cp.async
-//    pipeline in dynamic shared memory.
+//    accumulate. BMx128x32 tiles with BM = 32, 64 or 128 (the caller's tile_m:
+//    a few rows per expert would waste most of a 128-row tile), 8 warps of
+//    (BM/2)x32, a 3-stage cp.async pipeline in dynamic shared memory.
+//  * bf16/f16 with tile_m = 8 (decode: a handful of rows per expert): the
+//    "skinny" kernel streams each expert's weights once with 16-byte loads
+//    straight into mma registers (swap-AB: weight rows are the mma's M side,
+//    the <= 8 token rows its N side), K split over 4 warps and summed in a
+//    fixed order. Needs K % 8 == 0 and 16-byte aligned x and w; otherwise
+//    the BM = 32 kernel runs instead.
+//  * Fused gather (step 3): with `gather`, row r of the GEMM input is
+//    x[rows[r] / topk] (zero where rows[r] is outside [0, x_rows * topk)),
+//    read in the A-load, so the expanded copy of x is never written.
 //  * f32: exact-f32 SIMT FMA (no TF32): 128x128x8 tiles, 8x8 outputs per
 //    thread, operands transposed into shared memory, register prefetch of the
 //    next k tile.
@@ -38,10 +48,10 @@
 namespace jax_moe {
 namespace {
 
-constexpr int kThreads = 256;  // 8 warps, both kernels
+constexpr int kThreads = 256;  // 8 warps, every kernel
 constexpr int kWarps = kThreads / 32;
-constexpr int kBM = 128;       // rows of x per tile (the schedule's unit)
-constexpr int kBN = 128;       // columns of out per tile
+constexpr int kBN = 128;       // columns of out per tile (tensor-core and f32 kernels)
+constexpr int kBMf = 128;      // rows per tile of the f32 kernel
 constexpr int kGroupM = 8;     // m-slots per raster group (L2 reuse)
 constexpr int kScanPer = 4;    // experts per thread per schedule pass
 constexpr int64_t kMaxGrid = 2147483647;
@@ -58,7 +68,7 @@ __device__ __forceinline__ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b
 struct Tile {
   int64_t expert;
   int64_t row0;
-  int64_t row_lim;      // min(row0 + kBM, end of the expert's rows)
+  int64_t row_lim;      // min(row0 + BM, end of the expert's rows)
   int64_t tiles_total;  // valid when expert < 0: number of real tiles
   int64_t rows_total;   // valid when expert < 0: min(sum of sizes, M)
 };
@@ -88,7 +98,8 @@ __device__ __forceinline__ int64_t BlockInclusiveScan(int64_t v, int64_t* warp_s
 
 // Expert e owns rows [min(P_e, M), min(P_{e+1}, M)) with P_e the prefix sum of
 // max(size, 0): exactly the CPU loop's clamping. Its tiles are numbered from
-// the prefix sum of ceil(rows/kBM). Must be called by the whole block.
+// the prefix sum of ceil(rows/BM). Must be called by the whole block.
+template <int BM>
 __device__ Tile FindTile(const int32_t* __restrict__ sizes, int64_t num_experts, int64_t m,
                          int64_t slot) {
   __shared__ int64_t s_rows[kWarps], s_tiles[kWarps];
@@ -114,7 +125,7 @@ __device__ Tile FindTile(const int32_t* __restrict__ sizes, int64_t num_experts,
     for (int i = 0; i < kScanPer; ++i) {
       const int64_t st = Min64(p, m);
       p += cnt[i];
-      tiles_local += CeilDiv(Min64(p, m) - st, kBM);
+      tiles_local += CeilDiv(Min64(p, m) - st, BM);
     }
     int64_t tiles_chunk;
     const int64_t tiles_before =
@@ -128,12 +139,12 @@ __device__ Tile FindTile(const int32_t* __restrict__ sizes, int64_t num_experts,
         const int64_t st = Min64(p, m);
         p += cnt[i];
         const int64_t en = Min64(p, m);
-        const int64_t n = CeilDiv(en - st, kBM);
+        const int64_t n = CeilDiv(en - st, BM);
         if (!done && slot < t + n) {
-          const int64_t row0 = st + (slot - t) * kBM;
+          const int64_t row0 = st + (slot - t) * BM;
           s_found[0] = first + i;
           s_found[1] = row0;
-          s_found[2] = Min64(row0 + kBM, en);
+          s_found[2] = Min64(row0 + BM, en);
           done = true;
         }
         t += n;
@@ -169,23 +180,23 @@ __device__ __forceinline__ void DecodeBlock(int64_t id, int64_t mslots, int64_t 
   *ntile = local / gm;
 }
 
-// Spare slot: zero rows [rows_total, M) of this column tile, striding by
-// kBM-row blocks over all spare slots so each tail row is written exactly once
+// Spare slot: zero rows [rows_total, M) of this BN-column tile, striding by
+// BM-row blocks over all spare slots so each tail row is written exactly once
 // per column tile. With `vec` (N a multiple of 16 bytes' worth of elements and
 // out 16-byte aligned) every row piece starts aligned and is a whole number of
 // 16-byte vectors, so the stores are uint4.
-template <typename S>
+template <typename S, int BM, int BN>
 __device__ void ZeroTail(S* __restrict__ out, const Tile& tile, int64_t mslot, int64_t mslots,
                          int64_t n0, int64_t n, int64_t m, bool vec) {
   const int64_t spare = mslot - tile.tiles_total;    // >= 0
   const int64_t nspare = mslots - tile.tiles_total;  // >= 1 (grid has a spare slot)
-  const int cols = static_cast<int>(Min64(kBN, n - n0));
+  const int cols = static_cast<int>(Min64(BN, n - n0));
   // Vector width in elements: 16 bytes when `vec`, else one element.
   const int width = vec ? static_cast<int>(16 / sizeof(S)) : 1;
   const int per_row = (cols + width - 1) / width;  // exact when vec
-  const int row_slots = kBN / width;
-  for (int64_t r0 = tile.rows_total + spare * kBM; r0 < m; r0 += nspare * kBM) {
-    for (int i = threadIdx.x; i < kBM * row_slots; i += kThreads) {
+  const int row_slots = (BN + width - 1) / width;
+  for (int64_t r0 = tile.rows_total + spare * BM; r0 < m; r0 += nspare * BM) {
+    for (int i = threadIdx.x; i < BM * row_slots; i += kThreads) {
       const int64_t r = r0 + i / row_slots;
       const int c = i % row_slots;
       if (r >= m || c >= per_row) continue;
@@ -195,6 +206,28 @@ __device__ void ZeroTail(S* __restrict__ out, const Tile& tile, int64_t mslot, i
     }
   }
 }
+
+// Grid size for `mslots` m-slots of BM rows: sum_e ceil(rows_e / BM) is at
+// most ceil(M / BM) + E and at most M (a non-empty expert's tiles never
+// outnumber its rows), so one more slot than the smaller bound is spare and
+// zeroes the tail. The M bound keeps decode grids small when E >> M.
+inline int64_t MSlots(int64_t m, int64_t bm, int64_t groups) {
+  const int64_t by_tiles = (m + bm - 1) / bm + groups;
+  return (by_tiles < m ? by_tiles : m) + 1;
+}
+
+// Where row r of the GEMM input lives: x + r * k, or with a gather the token
+// row rows[r] / topk, or null (a zero row) when that index is out of range.
+struct RowSource {
+  const int32_t* rows;  // null: no gather
+  int64_t topk;
+  int64_t limit;        // x_rows * topk: valid gather entries are [0, limit)
+  __device__ __forceinline__ int64_t Row(int64_t r) const {
+    if (rows == nullptr) return r;
+    const int64_t s = rows[r];
+    return s >= 0 && s < limit ? s / topk : -1;
+  }
+};
 
 // ---------------------------------------------------------------------------
 // bf16 / f16: tensor cores (mma.sync m16n8k16, f32 accumulate)
@@ -209,18 +242,27 @@ constexpr int kStages = 3;
 // ldmatrix, and the 8 row addresses of one 8x8 ldmatrix fall in 8 distinct
 // 16-byte bank groups (conflict-free).
 constexpr int kLds = kBK + 8;
-constexpr int kTileElems = kBM * kLds;                 // one operand, one stage
-constexpr int kSmem16 = 2 * kStages * kTileElems * 2;  // 61440 bytes
 constexpr int kRowChunks = kBK / 8;                    // 16-byte chunks per tile row
 constexpr int kRowStep = kThreads / kRowChunks;         // rows one loader pass covers
-constexpr int kChunks16 = kBM / kRowStep;               // passes per operand
-// Epilogue staging: each warp's 64x32 tile, already rounded, rows padded to
-// 80 bytes so the fragment-order writes are conflict-free.
+// Epilogue staging: each warp's (BM/2)x32 tile, already rounded, rows padded
+// to 80 bytes so the fragment-order writes are conflict-free.
 constexpr int kLdo = 32 + 8;
-static_assert(kBN == kBM, "A and B stages share one size");
-static_assert(kChunks16 * kRowStep == kBM && kRowChunks * kRowStep == kThreads,
-              "loader covers the tile");
-static_assert(kWarps * 64 * kLdo * 2 <= kSmem16, "epilogue staging fits the pipeline buffers");
+
+// Shapes of the BM x 128 tensor-core tile: 2 warps along M (BM/2 rows each,
+// kMI m16 fragments), 4 along N (32 columns each).
+template <int BM>
+struct MmaTile {
+  static constexpr int kWM = BM / 2;
+  static constexpr int kMI = kWM / 16;
+  static constexpr int kAElems = BM * kLds;   // one stage of x
+  static constexpr int kBElems = kBN * kLds;  // one stage of w
+  static constexpr int kSmem = kStages * (kAElems + kBElems) * 2;
+  static constexpr int kAPasses = (BM + kRowStep - 1) / kRowStep;
+  static constexpr int kBPasses = kBN / kRowStep;
+  static_assert(BM == 32 || BM == 64 || BM == 128, "tile_m");
+  static_assert(kBPasses * kRowStep == kBN && kRowChunks * kRowStep == kThreads, "loader");
+  static_assert(kWarps * kWM * kLdo * 2 <= kSmem, "epilogue staging fits the pipeline buffers");
+};
 
 template <typename T>
 __device__ __forceinline__ uint16_t FromFloat16(float v) {
@@ -295,54 +337,64 @@ __device__ __forceinline__ void LoadChunk16(uint16_t* dst, const uint16_t* src, 
   }
 }
 
-template <typename T>
+template <typename T, int BM>
 __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
-                           uint16_t* __restrict__ out, const Tile& tile, int64_t n0, int64_t n,
-                           int64_t k, bool vec_in, bool vec_out, unsigned char* smem) {
+                           uint16_t* __restrict__ out, const Tile& tile, const RowSource& src,
+                           int64_t n0, int64_t n, int64_t k, bool vec_in, bool vec_out,
+                           unsigned char* smem) {
+  using C = MmaTile<BM>;
   uint16_t* sa = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sb = sa + kStages * kTileElems;
+  uint16_t* sb = sa + kStages * C::kAElems;
   const int64_t row0 = tile.row0, row_lim = tile.row_lim;
   const int64_t ktiles = CeilDiv(k, kBK);
 
   // Loader: thread owns rows lrow + kRowStep*it of both operands, columns
-  // lcol..+7 of each k tile. Row pointers are fixed for the whole K loop.
+  // lcol..+7 of each k tile. Row pointers are fixed for the whole K loop;
+  // A rows past BM (BM < kRowStep) have no slot at all.
   const int lrow = threadIdx.x / kRowChunks, lcol = (threadIdx.x % kRowChunks) * 8;
-  const uint16_t* a_src[kChunks16];
-  const uint16_t* b_src[kChunks16];
+  const uint16_t* a_src[C::kAPasses];
+  const uint16_t* b_src[C::kBPasses];
   {
+#pragma unroll
+    for (int it = 0; it < C::kAPasses; ++it) {
+      const int64_t ar = row0 + lrow + it * kRowStep;
+      const int64_t xr = ar < row_lim ? src.Row(ar) : -1;
+      a_src[it] = xr >= 0 ? x + xr * k + lcol : nullptr;
+    }
     const uint16_t* we = w + tile.expert * n * k;
 #pragma unroll
-    for (int it = 0; it < kChunks16; ++it) {
-      const int64_t ar = row0 + lrow + it * kRowStep, br = n0 + lrow + it * kRowStep;
-      a_src[it] = ar < row_lim ? x + ar * k + lcol : nullptr;
+    for (int it = 0; it < C::kBPasses; ++it) {
+      const int64_t br = n0 + lrow + it * kRowStep;
       b_src[it] = br < n ? we + br * k + lcol : nullptr;
     }
   }
   auto load_stage = [&](int stage, int64_t kt) {
     const int64_t k0 = kt * kBK;
     const int64_t rem = k - k0 - lcol;
-    uint16_t* da = sa + stage * kTileElems + lrow * kLds + lcol;
-    uint16_t* db = sb + stage * kTileElems + lrow * kLds + lcol;
+    uint16_t* da = sa + stage * C::kAElems + lrow * kLds + lcol;
+    uint16_t* db = sb + stage * C::kBElems + lrow * kLds + lcol;
 #pragma unroll
-    for (int it = 0; it < kChunks16; ++it) {
-      LoadChunk16(da + it * kRowStep * kLds, a_src[it] ? a_src[it] + k0 : nullptr, rem, vec_in);
+    for (int it = 0; it < C::kAPasses; ++it)
+      if (BM % kRowStep == 0 || lrow + it * kRowStep < BM)
+        LoadChunk16(da + it * kRowStep * kLds, a_src[it] ? a_src[it] + k0 : nullptr, rem, vec_in);
+#pragma unroll
+    for (int it = 0; it < C::kBPasses; ++it)
       LoadChunk16(db + it * kRowStep * kLds, b_src[it] ? b_src[it] + k0 : nullptr, rem, vec_in);
-    }
   };
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wm = warp & 1;   // 2 warps along M: 64 rows each
+  const int wm = warp & 1;   // 2 warps along M: BM/2 rows each
   const int wn = warp >> 1;  // 4 warps along N: 32 columns each
   // ldmatrix row addresses. A (row-major 16x16): matrices (rows 0-7|8-15) x
   // (k 0-7|8-15) give a0..a3 of m16n8k16. B is stored n-major (w is N x K),
   // which is exactly the "col" operand: matrices (k 0-7, k 8-15) of n 0-7,
   // then of n 8-15, give {b0, b1} of two n8 tiles.
-  const int a_off = (wm * 64 + (lane & 15)) * kLds + (lane >> 4) * 8;
+  const int a_off = (wm * C::kWM + (lane & 15)) * kLds + (lane >> 4) * 8;
   const int b_off = (wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * kLds + ((lane >> 3) & 1) * 8;
 
-  float acc[4][4][4];
+  float acc[C::kMI][4][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < C::kMI; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -364,15 +416,15 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
     CpAsyncCommit();
     next_stage = next_stage == kStages - 1 ? 0 : next_stage + 1;
 
-    const uint16_t* ta = sa + stage * kTileElems + a_off;
-    const uint16_t* tb = sb + stage * kTileElems + b_off;
+    const uint16_t* ta = sa + stage * C::kAElems + a_off;
+    const uint16_t* tb = sb + stage * C::kBElems + b_off;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t bf[2][4];  // bf[p] = {b0, b1} of n8 tile 2p, then of 2p+1
       Ldmatrix4(bf[0], tb + kk);
       Ldmatrix4(bf[1], tb + 16 * kLds + kk);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < C::kMI; ++i) {
         uint32_t af[4];
         Ldmatrix4(af, ta + i * 16 * kLds + kk);
 #pragma unroll
@@ -388,11 +440,11 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
   // Epilogue: round to the output type into a per-warp staging tile (lane
   // holds rows g, g+8 and columns 2t, 2t+1 of each 16x8 accumulator), then
   // write whole 16-byte row pieces to global memory.
-  uint16_t* st = reinterpret_cast<uint16_t*>(smem) + warp * 64 * kLdo;
+  uint16_t* st = reinterpret_cast<uint16_t*>(smem) + warp * C::kWM * kLdo;
   {
     const int g = lane >> 2, t2 = (lane & 3) * 2;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < C::kMI; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint16_t* p = st + (i * 16 + g) * kLdo + j * 8 + t2;
@@ -404,9 +456,9 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
   }
   __syncwarp();
 #pragma unroll
-  for (int q = lane; q < 64 * 4; q += 32) {
+  for (int q = lane; q < C::kWM * 4; q += 32) {
     const int r = q >> 2, c = (q & 3) * 8;
-    const int64_t grow = row0 + wm * 64 + r;
+    const int64_t grow = row0 + wm * C::kWM + r;
     const int64_t gcol = n0 + wn * 32 + c;
     if (grow < row_lim && gcol < n) {
       const uint16_t* s = st + r * kLdo + c;
@@ -423,23 +475,153 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
   __syncthreads();  // staging aliases stage 0 of the next grid-stride tile
 }
 
-// Two blocks per SM (<= 128 registers, 2 x 60 KB shared memory).
-template <typename T>
+// Everything one launch needs besides the pointers.
+struct GemmArgs {
+  int64_t m, n, k, num_experts, mslots, ntiles, total_blocks;
+  bool vec_in, vec_out;
+  RowSource src;
+};
+
+// Two blocks per SM (<= 128 registers, 2 x <= 60 KB shared memory).
+template <typename T, int BM>
 __global__ void __launch_bounds__(kThreads, 2)
     GroupGemm16Kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
-                      const int32_t* __restrict__ sizes, uint16_t* __restrict__ out, int64_t m,
-                      int64_t n, int64_t k, int64_t num_experts, int64_t mslots, int64_t ntiles,
-                      int64_t total_blocks, bool vec_in, bool vec_out) {
+                      const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
+                      GemmArgs a) {
   extern __shared__ __align__(128) unsigned char smem16[];
-  for (int64_t id = blockIdx.x; id < total_blocks; id += gridDim.x) {
+  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
     int64_t mslot, ntile;
-    DecodeBlock(id, mslots, ntiles, &mslot, &ntile);
-    const Tile tile = FindTile(sizes, num_experts, m, mslot);
+    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
+    const Tile tile = FindTile<BM>(sizes, a.num_experts, a.m, mslot);
     const int64_t n0 = ntile * kBN;
     if (tile.expert < 0) {
-      ZeroTail(out, tile, mslot, mslots, n0, n, m, vec_out);
+      ZeroTail<uint16_t, BM, kBN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
     } else {
-      GemmTile16<T>(x, w, out, tile, n0, n, k, vec_in, vec_out, smem16);
+      GemmTile16<T, BM>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// bf16 / f16 decode: the skinny kernel (tile_m = 8)
+// ---------------------------------------------------------------------------
+// One block = (expert tile of <= 8 rows) x 64 columns. Warp (wn, wk): columns
+// wn*32 .. +31 as two m16 groups, k steps wk, wk+4, ... of 32 elements.
+// Within a k step lane (g, t) = (lane/4, lane%4) loads 16 bytes at k + 8t of
+// weight rows g and g+8 of each group and of token row g. The mma's k order
+// is a permutation of the actual one, the same for both operands: a0/b0 take
+// elements 8t+0..1, a2/b1 elements 8t+2..3 (first mma), then 8t+4..7 (second).
+
+constexpr int kSR = 8;     // token rows per tile (the mma's n)
+constexpr int kSBN = 64;   // columns per block
+constexpr int kSKW = 4;    // warps splitting K
+constexpr int kSKStep = 32;
+static_assert(2 * 32 * kSKW == kThreads && kSBN == 2 * 32, "skinny warp layout");
+
+// Streaming 16-byte load that does not allocate in L1 (weights are read once).
+__device__ __forceinline__ uint4 LdgStream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <typename T>
+__device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                           uint16_t* __restrict__ out, const Tile& tile, const RowSource& src,
+                           int64_t n0, int64_t n, int64_t k) {
+  __shared__ float red[kSKW][kSBN][kSR];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wn = warp & 1, wk = warp >> 1;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t ksteps = CeilDiv(k, kSKStep);
+
+  // Token row g of the tile (null: past the tile or a zero row).
+  const int64_t ar = tile.row0 + g;
+  const int64_t xr = ar < tile.row_lim ? src.Row(ar) : -1;
+  const uint16_t* xrow = xr >= 0 ? x + xr * k + 8 * t : nullptr;
+  // Weight rows g and g+8 of both m16 groups (null: past N).
+  const uint16_t* wrow[4];
+  const uint16_t* we = w + tile.expert * n * k;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = n0 + wn * 32 + (j >> 1) * 16 + (j & 1) * 8 + g;
+    wrow[j] = c < n ? we + c * k + 8 * t : nullptr;
+  }
+
+  float acc[2][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[i][q] = 0.f;
+
+  auto load = [&](int64_t s, uint4& xa, uint4 (&wv)[4]) {
+    const int64_t k0 = s * kSKStep;
+    const bool kin = s < ksteps && k0 + 8 * t < k;  // K % 8 == 0: whole chunk or none
+    xa = kin && xrow ? __ldg(reinterpret_cast<const uint4*>(xrow + k0)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      wv[j] = kin && wrow[j] ? LdgStream(wrow[j] + k0) : make_uint4(0, 0, 0, 0);
+  };
+  auto math = [&](const uint4& xa, const uint4 (&wv)[4]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint4& lo = wv[2 * i];
+      const uint4& hi = wv[2 * i + 1];
+      const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+      const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+      Mma16816<T>(acc[i], a0, xa.x, xa.y);
+      Mma16816<T>(acc[i], a1, xa.z, xa.w);
+    }
+  };
+  // Two k steps per trip: ten 16-byte loads in flight per lane.
+  for (int64_t s = wk; s < ksteps; s += 2 * kSKW) {
+    uint4 x0, x1, w0[4], w1[4];
+    load(s, x0, w0);
+    load(s + kSKW, x1, w1);
+    math(x0, w0);
+    math(x1, w1);
+  }
+
+  // acc[i] = {(col g, row 2t), (col g, row 2t+1), (col g+8, row 2t), (col g+8, row 2t+1)}
+  // of group i. Sum the K slices in slice order.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = wn * 32 + i * 16 + g;
+    red[wk][c][2 * t] = acc[i][0];
+    red[wk][c][2 * t + 1] = acc[i][1];
+    red[wk][c + 8][2 * t] = acc[i][2];
+    red[wk][c + 8][2 * t + 1] = acc[i][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kSR * kSBN; i += kThreads) {
+    const int r = i / kSBN, c = i % kSBN;  // consecutive threads: consecutive columns
+    const int64_t grow = tile.row0 + r, gcol = n0 + c;
+    if (grow < tile.row_lim && gcol < n) {
+      float v = red[0][c][r];
+#pragma unroll
+      for (int q = 1; q < kSKW; ++q) v += red[q][c][r];
+      out[grow * n + gcol] = FromFloat16<T>(v);
+    }
+  }
+  __syncthreads();  // red is reused by the next grid-stride tile
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 3)
+    GroupGemmSkinnyKernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                          const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
+                          GemmArgs a) {
+  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
+    int64_t mslot, ntile;
+    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
+    const Tile tile = FindTile<kSR>(sizes, a.num_experts, a.m, mslot);
+    const int64_t n0 = ntile * kSBN;
+    if (tile.expert < 0) {
+      ZeroTail<uint16_t, kSR, kSBN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
+    } else {
+      SkinnyTile<T>(x, w, out, tile, a.src, n0, a.n, a.k);
     }
   }
 }
@@ -451,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 constexpr int kBKf = 8;
 // Operands are stored k-major ([k][row]); +4 keeps float4 alignment and makes
 // the transposing stores conflict-free (bank = 4*k + row).
-constexpr int kLdf = kBM + 4;
+constexpr int kLdf = kBMf + 4;
 
 // Four consecutive k of one row into registers. `src` points at the row's
 // element for this chunk, or is null for a row out of range; `rem` counts the
@@ -473,8 +655,8 @@ __device__ __forceinline__ void LoadF4(float (&v)[4], const float* src, int64_t 
 }
 
 __device__ void GemmTileF32(const float* __restrict__ x, const float* __restrict__ w,
-                            float* __restrict__ out, const Tile& tile, int64_t n0, int64_t n,
-                            int64_t k, bool vec_in, bool vec_out) {
+                            float* __restrict__ out, const Tile& tile, const RowSource& src,
+                            int64_t n0, int64_t n, int64_t k, bool vec_in, bool vec_out) {
   __shared__ __align__(16) float sa[2][kBKf][kLdf];
   __shared__ __align__(16) float sb[2][kBKf][kLdf];
   const int64_t row0 = tile.row0, row_lim = tile.row_lim;
@@ -483,7 +665,8 @@ __device__ void GemmTileF32(const float* __restrict__ x, const float* __restrict
   const int ty = tid >> 4, tx = tid & 15;       // compute: 16 x 16 threads
   const int64_t ktiles = CeilDiv(k, kBKf);
   // Row pointers are fixed for the whole K loop; null marks a row out of range.
-  const float* a_src = row0 + lr < row_lim ? x + (row0 + lr) * k + lk : nullptr;
+  const int64_t xr = row0 + lr < row_lim ? src.Row(row0 + lr) : -1;
+  const float* a_src = xr >= 0 ? x + xr * k + lk : nullptr;
   const float* b_src = n0 + lr < n ? w + (tile.expert * n + n0 + lr) * k + lk : nullptr;
 
   float ra[4], rb[4];
@@ -559,18 +742,16 @@ __device__ void GemmTileF32(const float* __restrict__ x, const float* __restrict
 // Two blocks per SM (<= 128 registers).
 __global__ void __launch_bounds__(kThreads, 2)
     GroupGemmF32Kernel(const float* __restrict__ x, const float* __restrict__ w,
-                       const int32_t* __restrict__ sizes, float* __restrict__ out, int64_t m,
-                       int64_t n, int64_t k, int64_t num_experts, int64_t mslots, int64_t ntiles,
-                       int64_t total_blocks, bool vec_in, bool vec_out) {
-  for (int64_t id = blockIdx.x; id < total_blocks; id += gridDim.x) {
+                       const int32_t* __restrict__ sizes, float* __restrict__ out, GemmArgs a) {
+  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
     int64_t mslot, ntile;
-    DecodeBlock(id, mslots, ntiles, &mslot, &ntile);
-    const Tile tile = FindTile(sizes, num_experts, m, mslot);
+    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
+    const Tile tile = FindTile<kBMf>(sizes, a.num_experts, a.m, mslot);
     const int64_t n0 = ntile * kBN;
     if (tile.expert < 0) {
-      ZeroTail(out, tile, mslot, mslots, n0, n, m, vec_out);
+      ZeroTail<float, kBMf, kBN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
     } else {
-      GemmTileF32(x, w, out, tile, n0, n, k, vec_in, vec_out);
+      GemmTileF32(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out);
     }
   }
 }
@@ -582,8 +763,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Opting in to more than 48 KB of dynamic shared memory is a per-device
-// function attribute, not a stream operation: do it once per device.
-template <typename T>
+// function attribute, not a stream operation: do it once per device and kernel.
+template <typename T, int BM>
 cudaError_t EnsureSmem16() {
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -591,57 +772,88 @@ cudaError_t EnsureSmem16() {
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(GroupGemm16Kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kSmem16);
+  err = cudaFuncSetAttribute(GroupGemm16Kernel<T, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             MmaTile<BM>::kSmem);
   if (err == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
   return err;
 }
 
-// Launches the kernel for one dtype on `stream`; nothing else (no sync, no
-// allocation). m > 0 and n > 0.
+// Fills the schedule part of `a` for tiles of bm x bn; returns the grid size.
+inline unsigned Schedule(GemmArgs& a, int64_t groups, int64_t bm, int64_t bn) {
+  a.num_experts = groups;
+  a.mslots = MSlots(a.m, bm, groups);
+  a.ntiles = (a.n + bn - 1) / bn;
+  a.total_blocks = a.mslots * a.ntiles;
+  return static_cast<unsigned>(a.total_blocks < kMaxGrid ? a.total_blocks : kMaxGrid);
+}
+
+template <typename T, int BM>
+cudaError_t LaunchMma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
+                      const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups) {
+  const cudaError_t attr = EnsureSmem16<T, BM>();
+  if (attr != cudaSuccess) return attr;
+  const unsigned grid = Schedule(a, groups, BM, kBN);
+  GroupGemm16Kernel<T, BM><<<grid, kThreads, MmaTile<BM>::kSmem, stream>>>(x, w, sizes, out, a);
+  return cudaGetLastError();
+}
+
+// Launches the kernel for one dtype and tile on `stream`; nothing else (no
+// sync, no allocation). m > 0 and n > 0. tile_m is 8, 32, 64 or 128 (checked).
 template <ffi::DataType DT>
 cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
-                            const int32_t* sizes, void* out, int64_t m, int64_t n, int64_t k,
-                            int64_t groups) {
-  // m-slots: sum_e ceil(rows_e / kBM) < M / kBM + E <= ceil(M / kBM) + E, so
-  // this bound leaves at least one spare slot for the tail.
-  const int64_t mslots = (m + kBM - 1) / kBM + groups + 1;
-  const int64_t ntiles = (n + kBN - 1) / kBN;
-  const int64_t total_blocks = mslots * ntiles;
-  const unsigned grid = static_cast<unsigned>(total_blocks < kMaxGrid ? total_blocks : kMaxGrid);
+                            const int32_t* sizes, void* out, const GemmDims& d,
+                            const int32_t* rows, int64_t topk, int64_t tile_m) {
+  GemmArgs a{};
+  a.m = d.m;
+  a.n = d.n;
+  a.k = d.k;
+  a.src = RowSource{rows, topk, d.x_rows * topk};
   if constexpr (DT == ffi::DataType::F32) {
     const auto* xp = static_cast<const float*>(x);
     const auto* wp = static_cast<const float*>(w);
     auto* op = static_cast<float*>(out);
-    const bool vec_in = k % 4 == 0 && Aligned16(xp) && Aligned16(wp);
-    const bool vec_out = n % 4 == 0 && Aligned16(op);
-    GroupGemmF32Kernel<<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, m, n, k, groups, mslots,
-                                                      ntiles, total_blocks, vec_in, vec_out);
+    a.vec_in = d.k % 4 == 0 && Aligned16(xp) && Aligned16(wp);
+    a.vec_out = d.n % 4 == 0 && Aligned16(op);
+    const unsigned grid = Schedule(a, d.groups, kBMf, kBN);  // f32: one tile shape
+    GroupGemmF32Kernel<<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, a);
+    return cudaGetLastError();
   } else {
     using T = std::conditional_t<DT == ffi::DataType::BF16, __nv_bfloat16, __half>;
-    const cudaError_t attr = EnsureSmem16<T>();
-    if (attr != cudaSuccess) return attr;
     const auto* xp = static_cast<const uint16_t*>(x);
     const auto* wp = static_cast<const uint16_t*>(w);
     auto* op = static_cast<uint16_t*>(out);
-    const bool vec_in = k % 8 == 0 && Aligned16(xp) && Aligned16(wp);
-    const bool vec_out = n % 8 == 0 && Aligned16(op);
-    GroupGemm16Kernel<T><<<grid, kThreads, kSmem16, stream>>>(
-        xp, wp, sizes, op, m, n, k, groups, mslots, ntiles, total_blocks, vec_in, vec_out);
+    a.vec_in = d.k % 8 == 0 && Aligned16(xp) && Aligned16(wp);
+    a.vec_out = d.n % 8 == 0 && Aligned16(op);
+    if (tile_m == 8 && !a.vec_in) tile_m = 32;  // the skinny kernel only does 16-byte loads
+    switch (tile_m) {
+      case 8: {
+        const unsigned grid = Schedule(a, d.groups, kSR, kSBN);
+        GroupGemmSkinnyKernel<T><<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, a);
+        return cudaGetLastError();
+      }
+      case 32:
+        return LaunchMma<T, 32>(stream, xp, wp, sizes, op, a, d.groups);
+      case 64:
+        return LaunchMma<T, 64>(stream, xp, wp, sizes, op, a, d.groups);
+      default:
+        return LaunchMma<T, 128>(stream, xp, wp, sizes, op, a, d.groups);
+    }
   }
-  return cudaGetLastError();
 }
 
 ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                         ffi::Buffer<ffi::S32> expert_sizes, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
+                         bool gather, int64_t topk, int64_t tile_m,
+                         ffi::Result<ffi::AnyBuffer> out) {
   GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, *out, &d); err.failure()) return err;
-  const int64_t m = d.m, k = d.k, groups = d.groups, n = d.n;
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
+      err.failure())
+    return err;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() -> ffi::Error {
-    if (m == 0 || n == 0) return ffi::Error::Success();  // nothing to write
-    const cudaError_t err =
-        LaunchGroupGemm<DT>(stream, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
-                            out->untyped_data(), m, n, k, groups);
+    if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
+    const cudaError_t err = LaunchGroupGemm<DT>(
+        stream, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
+        out->untyped_data(), d, gather ? rows.typed_data() : nullptr, topk, tile_m);
     if (err != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_moe: group_gemm launch failed: ") +
                                   cudaGetErrorString(err));
@@ -657,6 +869,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCuda, GroupGemmCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("gather")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("tile_m")
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 

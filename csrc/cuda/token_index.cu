@@ -8,6 +8,8 @@
 //           inside an expert is the flat order (stable), as on the CPU.
 // scratch[chunks * local] holds the number of placed rows, so `place` can
 // mark the unused tail of dst_to_src with -1.
+// Up to one chunk of entries (decode batches) one warp does all three steps in
+// a single launch, with the expert offsets in shared memory.
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
 #include "shape_checks.h"
@@ -67,17 +69,14 @@ __global__ void ScanKernel(int64_t chunks, int local, int32_t* __restrict__ scra
   }
 }
 
-__global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
-                            int local, const int32_t* __restrict__ scratch,
-                            int64_t chunks, int32_t* __restrict__ src_to_dst,
-                            int32_t* __restrict__ dst_to_src) {
-  extern __shared__ int32_t base[];  // next free slot per expert for this chunk
-  const int lane = threadIdx.x;      // one warp per block
-  const int64_t c = blockIdx.x;
-  for (int e = lane; e < local; e += 32) base[e] = scratch[c * local + e];
-  __syncwarp();
-  const int64_t begin = c * kIndexChunk;
-  const int64_t end = min(begin + kIndexChunk, n);
+// Stable placement of entries [begin, end) by one warp, `base` holding each
+// expert's next free slot: lanes with the same expert get consecutive slots
+// via __match_any_sync, in flat order. The whole warp must call it.
+__device__ __forceinline__ void PlaceChunk(const int32_t* __restrict__ ids, int64_t begin,
+                                           int64_t end, int64_t start, int local, int32_t* base,
+                                           int32_t* __restrict__ src_to_dst,
+                                           int32_t* __restrict__ dst_to_src) {
+  const int lane = threadIdx.x & 31;
   for (int64_t i0 = begin; i0 < end; i0 += 32) {
     const int64_t i = i0 + lane;
     const int e = i < end ? LocalId(ids[i], start, local) : -1;
@@ -94,6 +93,59 @@ __global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
     if (e >= 0 && rank == 0) base[e] += __popc(same);
     __syncwarp();
   }
+}
+
+// n <= kIndexChunk: histogram, scan and placement by one warp, one launch.
+__global__ void SmallIndexKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
+                                 int local, int32_t* __restrict__ sizes,
+                                 int32_t* __restrict__ src_to_dst,
+                                 int32_t* __restrict__ dst_to_src) {
+  extern __shared__ int32_t base[];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < local; e += 32) base[e] = 0;
+  __syncwarp();
+  for (int64_t i = lane; i < n; i += 32) {
+    const int e = LocalId(ids[i], start, local);
+    if (e >= 0) atomicAdd(&base[e], 1);
+  }
+  __syncwarp();
+  // Exclusive scan over experts: lane owns a contiguous segment of them.
+  const int per = (local + 31) / 32;
+  const int b0 = min(lane * per, local), b1 = min(b0 + per, local);
+  int32_t seg = 0;
+  for (int e = b0; e < b1; ++e) seg += base[e];
+  int32_t incl = seg;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += u;
+  }
+  const int32_t total = __shfl_sync(0xffffffffu, incl, 31);
+  int32_t run = incl - seg;
+  for (int e = b0; e < b1; ++e) {  // only this lane's segment: no hazard
+    const int32_t v = base[e];
+    sizes[e] = v;
+    base[e] = run;
+    run += v;
+  }
+  __syncwarp();
+  PlaceChunk(ids, 0, n, start, local, base, src_to_dst, dst_to_src);
+  for (int64_t p = lane; p < n; p += 32)
+    if (p >= total) dst_to_src[p] = -1;
+}
+
+__global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
+                            int local, const int32_t* __restrict__ scratch,
+                            int64_t chunks, int32_t* __restrict__ src_to_dst,
+                            int32_t* __restrict__ dst_to_src) {
+  extern __shared__ int32_t base[];  // next free slot per expert for this chunk
+  const int lane = threadIdx.x;      // one warp per block
+  const int64_t c = blockIdx.x;
+  for (int e = lane; e < local; e += 32) base[e] = scratch[c * local + e];
+  __syncwarp();
+  const int64_t begin = c * kIndexChunk;
+  const int64_t end = min(begin + kIndexChunk, n);
+  PlaceChunk(ids, begin, end, start, local, base, src_to_dst, dst_to_src);
   const int32_t total = scratch[chunks * local];
   for (int64_t p = begin + lane; p < end; p += 32)
     if (p >= total) dst_to_src[p] = -1;
@@ -119,6 +171,12 @@ ffi::Error TokenIndexCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
   if (chunks > 0x7fffffff) return InvalidArg("moe_compute_token_index: too many entries");
   const int lc = static_cast<int>(local);
   int32_t* s = scratch->typed_data();
+  if (chunks <= 1) {  // decode-sized: one launch
+    SmallIndexKernel<<<1, 32, smem, stream>>>(topk_ids.typed_data(), n, start_expert, lc,
+                                              expert_sizes->typed_data(),
+                                              src_to_dst->typed_data(), dst_to_src->typed_data());
+    return LastCudaError("moe_compute_token_index launch");
+  }
   if (chunks > 0)
     CountKernel<<<static_cast<unsigned>(chunks), 256, smem, stream>>>(
         topk_ids.typed_data(), n, start_expert, lc, s);

@@ -136,6 +136,19 @@ def group_gemm_args(x, w, expert_sizes) -> None:
             f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
 
 
+TILE_M = (8, 32, 64, 128)
+
+
+def tile_m(value) -> int | None:
+    """group_gemm's tile_m: None (tuned) or one of TILE_M."""
+    if value is None:
+        return None
+    v = static_int(value, "tile_m")
+    if v not in TILE_M:
+        raise ValueError(f"tile_m must be None or one of {TILE_M}, got {value!r}")
+    return v
+
+
 def activation_args(h, name: str, gated: bool = True) -> int:
     code = activation(name)
     if jnp.ndim(h) < 1:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import _checks
+from jax_moe import _checks, tuning
 from jax_moe._ffi import INDEX_CHUNK
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "moe_compute_token_index",
     "moe_expand_input",
     "group_gemm",
+    "group_gemm_gather",
     "gated_activation",
     "activation",
     "silu_and_mul",
@@ -109,15 +110,34 @@ def moe_expand_input(x, dst_to_src, topk: int):
     return call(x, dst_to_src.astype(jnp.int32), topk=np.int64(k))
 
 
-def group_gemm(x, w, expert_sizes):
+def _group_gemm_call(x, w, expert_sizes, rows, topk, tile_m, m):
+    tile = tuning.group_gemm_tile_m(m, w.shape[0], w.shape[1], w.shape[2], x.dtype, tile_m)
+    call = jax.ffi.ffi_call(
+        "jax_moe_group_gemm", _sds((m, w.shape[1]), x.dtype), vmap_method="sequential")
+    gather = rows is not None
+    rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
+    return call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
+                topk=np.int64(topk), tile_m=np.int64(tile))
+
+
+def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     """Steps 4 and 6: rows of x grouped by expert in order; out[rows of e] =
     x[rows of e] @ w[e].T with f32 accumulation. x (M, K), w (E, N, K),
-    expert_sizes (E,) -> (M, N) in x's dtype; rows past sum(expert_sizes) are 0."""
+    expert_sizes (E,) -> (M, N) in x's dtype; rows past sum(expert_sizes) are 0.
+
+    tile_m (CUDA only; None = the tuning table's or the heuristic's choice, see
+    jax_moe.tuning): rows per tile, 8 (the decode kernel), 32, 64 or 128."""
     _checks.group_gemm_args(x, w, expert_sizes)
-    call = jax.ffi.ffi_call(
-        "jax_moe_group_gemm", _sds((x.shape[0], w.shape[1]), x.dtype),
-        vmap_method="sequential")
-    return call(x, w, expert_sizes.astype(jnp.int32))
+    return _group_gemm_call(x, w, expert_sizes, None, 1, tile_m, x.shape[0])
+
+
+def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
+    """Steps 3 and 4 in one kernel: group_gemm(moe_expand_input(x, dst_to_src,
+    topk), w, expert_sizes) without writing the expanded rows. x (T, K) tokens,
+    dst_to_src (M,) -> (M, N)."""
+    k = _checks.expand_args(x, dst_to_src, topk)
+    _checks.group_gemm_args(x, w, expert_sizes)
+    return _group_gemm_call(x, w, expert_sizes, dst_to_src, k, tile_m, dst_to_src.shape[0])
 
 
 def _activation_call(h, name: str, gated: bool):

@@ -18,6 +18,7 @@ __all__ = [
     "moe_compute_token_index",
     "moe_expand_input",
     "group_gemm",
+    "group_gemm_gather",
     "gated_activation",
     "activation",
     "silu_and_mul",
@@ -108,9 +109,11 @@ def _clamped_sizes(expert_sizes, m: int):
     return jnp.clip(end, 0, m) - jnp.clip(end - sizes, 0, m)
 
 
-def group_gemm(x, w, expert_sizes):
-    """jax.lax.ragged_dot, accumulating in f32 (the pure-JAX grouped GEMM)."""
+def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
+    """jax.lax.ragged_dot, accumulating in f32 (the pure-JAX grouped GEMM).
+    tile_m is accepted for signature parity with ops and checked, not used."""
     _checks.group_gemm_args(x, w, expert_sizes)
+    _checks.tile_m(tile_m)
     sizes = _clamped_sizes(expert_sizes, x.shape[0])
     out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes,
                              preferred_element_type=jnp.float32)
@@ -118,6 +121,12 @@ def group_gemm(x, w, expert_sizes):
     rows = jnp.arange(x.shape[0])
     out = jnp.where((rows < jnp.sum(sizes))[:, None], out, 0.0)
     return out.astype(x.dtype)
+
+
+def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
+    """Steps 3 and 4: group_gemm of the expanded rows of x."""
+    _checks.group_gemm_args(x, w, expert_sizes)
+    return group_gemm(moe_expand_input(x, dst_to_src, topk), w, expert_sizes, tile_m=tile_m)
 
 
 def _act(g, activation: str):

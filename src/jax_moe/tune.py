@@ -1,0 +1,117 @@
+"""Regenerate the grouped GEMM's tuning table on the current GPU.
+
+    python -m jax_moe.tune [--out FILE] [--shapes NAME ...] [--tokens T ...]
+
+For each model shape (H, I, E, k) it times both expert GEMMs of the layer
+(gate/up: N = 2I, K = H; down: N = H, K = I) at M = T * k rows for every
+token count T, with every tile_m, under random top-k routings (several,
+rotated per call), and keeps the fastest tile per M. The JSON it writes is
+what jax_moe.tuning reads: put it in jax_moe/tuning_tables/<device kind>.json
+(or point JAX_MOE_TUNING_DIR at its folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe import ops, reference, tuning
+
+SHAPES = {  # name: (H, I, E, k), as in benchmarks/bench_moe.py
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "qwen3_235b_a22b": (4096, 1536, 128, 8),
+    "mixtral_8x7b": (4096, 14336, 8, 2),
+    "deepseek_v3": (7168, 2048, 256, 8),
+}
+TOKENS = (1, 16, 128, 1024, 8192)
+ROUTINGS = 4
+
+
+def _sizes(key, tokens, experts, topk):
+    """expert_sizes of ROUTINGS random softmax top-k routings: (R, E)."""
+    logits = jax.random.normal(key, (ROUTINGS, tokens, experts), jnp.float32)
+    ids = jax.vmap(lambda lg: reference.topk_softmax(lg, topk)[1])(logits)
+    return jax.vmap(lambda i: reference.moe_compute_token_index(i, experts)[2])(ids)
+
+
+def time_gemm(x, w, sizes, tile_m, calls, repeats) -> float:
+    """Median µs per group_gemm call over `repeats` jitted loops of `calls`."""
+
+    @jax.jit
+    def loop(x, w, sizes):
+        def body(i, acc):
+            out = ops.group_gemm(x, w, sizes[i % sizes.shape[0]], tile_m=tile_m)
+            return acc + out[0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, calls, body, jnp.float32(0))
+
+    loop(x, w, sizes).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loop(x, w, sizes).block_until_ready()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="JSON to write (default: ./<device kind>.json)")
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        print("jax_moe.tune needs a GPU (the table is per GPU model)", file=sys.stderr)
+        return 2
+    dtype = jnp.dtype(args.dtype)
+    table, timings = {}, {}
+    key = jax.random.PRNGKey(0)
+    for name in args.shapes:
+        h, i, e, k = SHAPES[name]
+        for n, kk in ((2 * i, h), (h, i)):
+            key, kw, kx, kr = jax.random.split(key, 4)
+            w = (jax.random.normal(kw, (e, n, kk), jnp.float32) * kk**-0.5).astype(dtype)
+            tkey = tuning.table_key(e, n, kk, dtype)
+            entries, per_m = [], {}
+            for t in args.tokens:
+                m = t * k
+                x = jax.random.normal(kx, (m, kk), jnp.float32).astype(dtype)
+                sizes = _sizes(kr, t, e, k)
+                # The decode tile re-reads an expert's weights per 8 rows: not
+                # a candidate once experts average more than 32 rows.
+                tiles = [tl for tl in tuning.TILE_M if tl != 8 or m <= 32 * e]
+                us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
+                      for tile in tiles}
+                best = min(us, key=us.get)
+                entries.append([m, best])
+                per_m[m] = us
+                print(f"{name:16s} {tkey:28s} M={m:6d} " +
+                      " ".join(f"{tile}:{v:9.1f}" for tile, v in us.items()) +
+                      f"  -> {best}", flush=True)
+                del x
+            table[tkey] = entries
+            timings[tkey] = per_m
+            del w
+    out = args.out or tuning._file_name(dev.device_kind)
+    with open(out, "w") as f:
+        json.dump({"device": dev.device_kind, "date": datetime.date.today().isoformat(),
+                   "jax": jax.__version__, "hardware": tuning.hardware(),
+                   "group_gemm": table, "timings_us": timings}, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The hardware descriptor and the grouped GEMM's tuning tables.
+
+``hardware()`` reads the current CUDA device (SM count, shared memory, L2,
+compute capability) through the extension. ``group_gemm_tile_m`` picks the
+GEMM's rows per tile at trace time: from the table of the GPU model JAX runs
+on (``tuning_tables/<device kind>.json``, written by ``python -m
+jax_moe.tune``) when it lists the problem, else by a rule on the average
+number of rows per expert.
+
+Results are bitwise reproducible run to run for any choice. The tensor-core
+tiles (32, 64, 128) give identical bits (each output sums K in the same
+order); the decode kernel (8) splits K over 4 warps and adds the partial sums
+in a fixed order, so it may differ from them in the last bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe import _checks
+from jax_moe._ffi import _ext
+
+__all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
+           "table_key", "TILE_M"]
+
+TILE_M = _checks.TILE_M
+_TABLE_DIR = pathlib.Path(__file__).with_name("tuning_tables")
+
+
+def hardware(device: int = 0) -> dict | None:
+    """The CUDA device `device` as a dict (name, sm_count, shared memory per
+    block and per SM in bytes, l2_bytes, memory bus width and clock,
+    compute capability), or None when the extension has no CUDA or no GPU is
+    visible. Reads the device directly (no JAX involved)."""
+    if not getattr(_ext, "has_cuda", False):
+        return None
+    return _ext.device_info(device)
+
+
+def default_tile_m(m: int, experts: int) -> int:
+    """The rule used when no table has the problem: by average rows per expert
+    (m / experts). Few rows: the decode kernel, which reads each touched
+    expert's weights once; more: the smallest tensor-core tile that holds a
+    typical expert's rows, so that little of each tile is padding."""
+    avg = m / max(experts, 1)
+    if avg <= 4:
+        return 8
+    if avg <= 24:
+        return 32
+    if avg <= 64:
+        return 64
+    return 128
+
+
+def table_key(experts: int, n: int, k: int, dtype) -> str:
+    return f"{jnp.dtype(dtype).name}/E{experts}/N{n}/K{k}"
+
+
+def _file_name(device_kind: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in device_kind) + ".json"
+
+
+def table_path(device_kind: str) -> pathlib.Path:
+    """Where the table of a GPU model lives (``JAX_MOE_TUNING_DIR`` overrides
+    the directory shipped with the package)."""
+    root = pathlib.Path(os.environ.get("JAX_MOE_TUNING_DIR", _TABLE_DIR))
+    return root / _file_name(device_kind)
+
+
+@functools.cache
+def load_table(device_kind: str) -> dict:
+    """{key: [[m, tile_m], ...]} of the GPU model, or {} when there is none."""
+    path = table_path(device_kind)
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data.get("group_gemm", {})
+
+
+def _device_kind() -> str | None:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    return dev.device_kind if dev.platform == "gpu" else None
+
+
+def group_gemm_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) -> int:
+    """tile_m for a group_gemm of m rows, w (experts, n, k): the caller's
+    choice when given, else the table entry whose m is nearest (log scale),
+    else default_tile_m. Trace-time only: no device work."""
+    chosen = _checks.tile_m(tile_m)
+    if chosen is not None:
+        return chosen
+    kind = _device_kind()
+    entries = load_table(kind).get(table_key(experts, n, k, dtype)) if kind else None
+    if entries and m > 0:
+        return int(min(entries, key=lambda e: abs(math.log2(max(e[0], 1)) - math.log2(m)))[1])
+    return default_tile_m(m, experts)

@@ -1,0 +1,67 @@
+"""jax_moe.tuning: the hardware descriptor, the tile rule and the table lookup."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+import jax_moe
+from conftest import ON_GPU
+from jax_moe import tuning
+
+
+def test_default_rule_by_rows_per_expert():
+    assert tuning.default_tile_m(8, 128) == 8          # decode: T=1, k=8
+    assert tuning.default_tile_m(128, 128) == 8        # T=16, k=8: one row per expert
+    assert tuning.default_tile_m(1024, 128) == 32      # T=128: ~8 rows per expert
+    assert tuning.default_tile_m(8192, 128) == 64      # T=1024
+    assert tuning.default_tile_m(65536, 128) == 128    # T=8192
+    tiles = [tuning.default_tile_m(m, 64) for m in (1, 10, 100, 1000, 10_000, 100_000)]
+    assert tiles == sorted(tiles)  # never a smaller tile for more rows
+
+
+def test_explicit_tile_m_wins_and_is_checked():
+    assert tuning.group_gemm_tile_m(65536, 128, 3072, 4096, jnp.bfloat16, 8) == 8
+    with pytest.raises(ValueError, match="tile_m"):
+        tuning.group_gemm_tile_m(8, 8, 8, 8, jnp.bfloat16, 48)
+
+
+def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
+    kind = "Fake GPU 9000"
+    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
+    table = {"device": kind, "group_gemm": {key: [[16, 64], [1024, 8], [65536, 32]]}}
+    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
+    assert tuning.table_path(kind) == tmp_path / "Fake_GPU_9000.json"
+    tuning.load_table.cache_clear()
+    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
+    try:
+        pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
+        assert pick(10) == 64 and pick(16) == 64
+        assert pick(900) == 8 and pick(2000) == 8
+        assert pick(40_000) == 32 and pick(10**7) == 32
+        # another problem or dtype: the rule
+        assert tuning.group_gemm_tile_m(10, 16, 96, 64, jnp.float16) == tuning.default_tile_m(10, 16)
+    finally:
+        tuning.load_table.cache_clear()
+
+
+def test_shipped_tables_are_well_formed():
+    for path in tuning._TABLE_DIR.glob("*.json"):
+        data = json.loads(path.read_text())
+        assert data["device"] and data["group_gemm"], path
+        for key, entries in data["group_gemm"].items():
+            assert key.count("/") == 3, key
+            for m, tile in entries:
+                assert m >= 1 and tile in tuning.TILE_M, (path, key)
+
+
+def test_hardware_descriptor():
+    hw = tuning.hardware()
+    if not (jax_moe.HAS_CUDA and ON_GPU):
+        # No CUDA in the build: None. CUDA built but no GPU: None as well.
+        assert hw is None or hw["sm_count"] > 0
+        return
+    assert hw["sm_count"] > 0 and hw["l2_bytes"] > 0 and hw["smem_per_block_optin"] >= 48 * 1024
+    assert hw["compute_capability"][0] >= 8
+    assert hw["name"]
