@@ -1,7 +1,7 @@
 """End-to-end MoE layer benchmark: jax_moe (FFI kernels) vs the pure-JAX path
 (reference.py, jax.lax.ragged_dot), routing through combine.
 
-Device time per call comes from one jitted loop of many calls: each call feeds
+Device time per call comes from one jitted program of many calls: each call feeds
 its output to the next and takes fresh routing (the logits rotate among several
 random batches), so nothing is cached or hoisted. After a warm-up the loop runs
 several times; the median per-call time is reported, with % of the hardware
@@ -71,16 +71,21 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
 
 
 def make_loop(backend: str, topk: int, calls: int, routing: dict):
-    """`calls` layer calls in one jitted loop; call i routes with logits[i % R]
-    and takes the previous call's output as its input."""
+    """`calls` layer calls in one jitted program; call i routes with
+    logits[i % R] and takes the previous call's output as its input.
+
+    A Python loop, so the program is straight-line: XLA's GPU while loop
+    (lax.fori_loop) checks its condition on the host every trip, a fixed
+    overhead per call that is not the layer's. The calls still run back to
+    back on the device with no host sync between them."""
 
     @jax.jit
     def run(x, logits, w13, w2, bias):
-        def body(i, h):
-            return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk,
-                                       backend=backend, e_score_correction_bias=bias, **routing)
-
-        return jax.lax.fori_loop(0, calls, body, x)
+        h = x
+        for i in range(calls):
+            h = jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk,
+                                    backend=backend, e_score_correction_bias=bias, **routing)
+        return h
 
     return run
 

@@ -1,5 +1,6 @@
 // The nanobind module: hands XLA one capsule per (target, platform).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "ffi_common.h"
 #include "ops.h"

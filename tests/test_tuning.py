@@ -13,8 +13,9 @@ from jax_moe import tuning
 def test_default_rule_by_rows_per_expert():
     assert tuning.default_tile_m(8, 128) == 8          # decode: T=1, k=8
     assert tuning.default_tile_m(128, 128) == 8        # T=16, k=8: one row per expert
-    assert tuning.default_tile_m(1024, 128) == 32      # T=128: ~8 rows per expert
-    assert tuning.default_tile_m(8192, 128) == 64      # T=1024
+    assert tuning.default_tile_m(1024, 128) == 8       # T=128: ~8 rows per expert
+    assert tuning.default_tile_m(8192, 256) == 64      # T=1024, DeepSeek-V3: ~32 rows
+    assert tuning.default_tile_m(8192, 128) == 128     # T=1024: ~64 rows
     assert tuning.default_tile_m(65536, 128) == 128    # T=8192
     tiles = [tuning.default_tile_m(m, 64) for m in (1, 10, 100, 1000, 10_000, 100_000)]
     assert tiles == sorted(tiles)  # never a smaller tile for more rows

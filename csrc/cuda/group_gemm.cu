@@ -505,18 +505,19 @@ __global__ void __launch_bounds__(kThreads, 2)
 // ---------------------------------------------------------------------------
 // bf16 / f16 decode: the skinny kernel (tile_m = 8)
 // ---------------------------------------------------------------------------
-// One block = (expert tile of <= 8 rows) x 64 columns. Warp (wn, wk): columns
-// wn*32 .. +31 as two m16 groups, k steps wk, wk+4, ... of 32 elements.
+// One block = (expert tile of <= 8 rows) x 32 columns. Warp w: k steps w,
+// w+8, ... of 32 elements for all 32 columns (two m16 groups): splitting K 8
+// ways keeps each warp's chain of dependent loads short (decode latency).
 // Within a k step lane (g, t) = (lane/4, lane%4) loads 16 bytes at k + 8t of
 // weight rows g and g+8 of each group and of token row g. The mma's k order
 // is a permutation of the actual one, the same for both operands: a0/b0 take
 // elements 8t+0..1, a2/b1 elements 8t+2..3 (first mma), then 8t+4..7 (second).
 
 constexpr int kSR = 8;     // token rows per tile (the mma's n)
-constexpr int kSBN = 64;   // columns per block
-constexpr int kSKW = 4;    // warps splitting K
+constexpr int kSBN = 32;   // columns per block
+constexpr int kSKW = kWarps;  // warps splitting K
 constexpr int kSKStep = 32;
-static_assert(2 * 32 * kSKW == kThreads && kSBN == 2 * 32, "skinny warp layout");
+static_assert(32 * kSKW == kThreads, "skinny warp layout");
 
 // Streaming 16-byte load that does not allocate in L1 (weights are read once).
 __device__ __forceinline__ uint4 LdgStream(const void* p) {
@@ -532,8 +533,7 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
                            uint16_t* __restrict__ out, const Tile& tile, const RowSource& src,
                            int64_t n0, int64_t n, int64_t k) {
   __shared__ float red[kSKW][kSBN][kSR];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wn = warp & 1, wk = warp >> 1;
+  const int wk = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t ksteps = CeilDiv(k, kSKStep);
 
@@ -546,7 +546,7 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
   const uint16_t* we = w + tile.expert * n * k;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int64_t c = n0 + wn * 32 + (j >> 1) * 16 + (j & 1) * 8 + g;
+    const int64_t c = n0 + (j >> 1) * 16 + (j & 1) * 8 + g;
     wrow[j] = c < n ? we + c * k + 8 * t : nullptr;
   }
 
@@ -588,7 +588,7 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
   // of group i. Sum the K slices in slice order.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int c = wn * 32 + i * 16 + g;
+    const int c = i * 16 + g;
     red[wk][c][2 * t] = acc[i][0];
     red[wk][c][2 * t + 1] = acc[i][1];
     red[wk][c + 8][2 * t] = acc[i][2];

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import pathlib
 import statistics
 import sys
 import time
@@ -46,10 +47,13 @@ def time_gemm(x, w, sizes, tile_m, calls, repeats) -> float:
 
     @jax.jit
     def loop(x, w, sizes):
-        def body(i, acc):
+        # Straight-line (a Python loop): XLA's GPU while loop would check its
+        # condition on the host every trip.
+        acc = jnp.float32(0)
+        for i in range(calls):
             out = ops.group_gemm(x, w, sizes[i % sizes.shape[0]], tile_m=tile_m)
-            return acc + out[0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, calls, body, jnp.float32(0))
+            acc = acc + out[0, 0].astype(jnp.float32)
+        return acc
 
     loop(x, w, sizes).block_until_ready()
     times = []
@@ -104,11 +108,13 @@ def main(argv=None) -> int:
             table[tkey] = entries
             timings[tkey] = per_m
             del w
-    out = args.out or tuning._file_name(dev.device_kind)
-    with open(out, "w") as f:
-        json.dump({"device": dev.device_kind, "date": datetime.date.today().isoformat(),
-                   "jax": jax.__version__, "hardware": tuning.hardware(),
-                   "group_gemm": table, "timings_us": timings}, f, indent=1)
+    out = pathlib.Path(args.out or tuning._file_name(dev.device_kind))
+    data = {"device": dev.device_kind, "date": datetime.date.today().isoformat(),
+            "jax": jax.__version__, "hardware": tuning.hardware(),
+            "group_gemm": table, "timings_us": timings}
+    tmp = out.with_suffix(".tmp")  # never leave a half-written table behind
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out)
     print(f"wrote {out}")
     return 0
 

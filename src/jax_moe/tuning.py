@@ -45,16 +45,15 @@ def hardware(device: int = 0) -> dict | None:
 
 
 def default_tile_m(m: int, experts: int) -> int:
-    """The rule used when no table has the problem: by average rows per expert
-    (m / experts). Few rows: the decode kernel, which reads each touched
-    expert's weights once; more: the smallest tensor-core tile that holds a
-    typical expert's rows, so that little of each tile is padding."""
+    """The rule used when no table has the problem, by average rows per
+    expert (m / experts), fitted to the H200 table: up to 8, the decode
+    kernel (it reads each touched expert's weights once, and an expert of
+    more than 8 rows costs an extra pass over them, mostly from L2); up to
+    48, 64-row tiles; beyond, 128-row tiles. 32-row tiles never won there."""
     avg = m / max(experts, 1)
-    if avg <= 4:
+    if avg <= 8:
         return 8
-    if avg <= 24:
-        return 32
-    if avg <= 64:
+    if avg <= 48:
         return 64
     return 128
 
@@ -80,9 +79,17 @@ def load_table(device_kind: str) -> dict:
     path = table_path(device_kind)
     if not path.exists():
         return {}
-    with open(path) as f:
-        data = json.load(f)
-    return data.get("group_gemm", {})
+    try:
+        data = json.loads(path.read_text())
+        table = data["group_gemm"]
+        for key, entries in table.items():
+            for m, tile in entries:
+                if int(m) < 1 or int(tile) not in TILE_M:
+                    raise ValueError(f"entry {[m, tile]} of {key}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"jax_moe tuning table {path} is malformed ({exc}); regenerate it "
+                         "with `python -m jax_moe.tune` or remove it") from None
+    return table
 
 
 def _device_kind() -> str | None:
