@@ -90,7 +90,7 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict):
     return run
 
 
-def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
+def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_rate, rng):
     h, i, e, k = shape
     keys = jax.random.split(jax.random.PRNGKey(rng.integers(1 << 30)), 4)
     x = (jax.random.normal(keys[0], (tokens, h), jnp.float32)).astype(dtype)
@@ -111,8 +111,8 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
 
     row = {"shape": name, "tokens": tokens, "H": h, "I": i, "E": e, "k": k,
            "experts_touched": float(touched), "floor_us": floor * 1e6}
-    for backend in ("ffi", "reference"):
-        run = make_loop(backend, k, calls, routing)
+    for backend, n_calls in (("ffi", calls), ("reference", ref_calls)):
+        run = make_loop(backend, k, n_calls, routing)
         try:
             run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
         except jax.errors.JaxRuntimeError as exc:
@@ -123,7 +123,7 @@ def bench_case(name, shape, tokens, dtype, calls, repeats, bw, flops_rate, rng):
             print(f"  pure-JAX path failed for {name} T={tokens}: {str(exc).splitlines()[0][:120]}")
             row[f"{backend}_us"] = None
             continue
-        times = [wall_time(lambda: run(x, logits, w13, w2, bias).block_until_ready()) / calls
+        times = [wall_time(lambda: run(x, logits, w13, w2, bias).block_until_ready()) / n_calls
                  for _ in range(repeats)]
         row[f"{backend}_us"] = statistics.median(times) * 1e6
     row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)
@@ -163,6 +163,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", help="subset of shape names")
     p.add_argument("--tokens", nargs="*", type=int)
     p.add_argument("--calls", type=int, default=None, help="layer calls per timed loop")
+    p.add_argument("--ref-calls", type=int, default=None,
+                   help="calls per timed loop of the pure-JAX path (slow at large T; default 4)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="bench_moe.json")
     p.add_argument("--plot", default="bench_moe.png")
@@ -173,6 +175,7 @@ def main() -> None:
         shapes = {n: shapes[n] for n in args.shapes}
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     calls = args.calls or (2 if args.quick else 20)
+    ref_calls = args.ref_calls or (2 if args.quick else 4)
     repeats = 2 if args.quick else args.repeats
     dtype = jnp.float32 if args.quick and jax.default_backend() == "cpu" else jnp.bfloat16
     measured_bw, measured_rate = measure_ceilings(args.quick)
@@ -185,7 +188,7 @@ def main() -> None:
             "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
             "floor_bandwidth_Bps": bw, "floor_matmul_flops": rate,
             "measured_bandwidth_Bps": measured_bw, "measured_matmul_flops": measured_rate,
-            "quick": args.quick}
+            "quick": args.quick, "calls": calls, "ref_calls": ref_calls, "repeats": repeats}
     rng = np.random.default_rng(0)
     rows = []
     write_json(args.json, meta, rows)
@@ -193,7 +196,7 @@ def main() -> None:
           f"{'TFLOP/s':>9}{'pure JAX µs':>13}{'speed-up':>9}")
     for name, shape in shapes.items():
         for t in tokens:
-            r = bench_case(name, shape, t, dtype, calls, repeats, bw, rate, rng)
+            r = bench_case(name, shape, t, dtype, calls, ref_calls, repeats, bw, rate, rng)
             rows.append(r)
             write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
             ref = "failed" if r["reference_us"] is None else f"{r['reference_us']:.1f}"

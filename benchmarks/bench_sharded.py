@@ -10,7 +10,7 @@ so  scaling efficiency = t_1dev / t_Ndev  (1.0 = perfect weak scaling; above
 1.0 is possible: each device reads only 1/N of the weights) and throughput =
 global tokens / t.
 
-Timing is bench_moe.py's: one jitted fori_loop of `calls` layer calls, each
+Timing is bench_moe.py's: one jitted straight-line program of `calls` layer calls, each
 call's output (sharded like its input) is the next call's input, the routing
 rotates among ROUTINGS random logits batches (stacked on a leading, unsharded
 axis, placed with the router_logits sharding). One warm-up run, then the median
@@ -104,6 +104,15 @@ def factor_pairs(n, experts, inter):
             if n % ep == 0 and experts % ep == 0 and inter % (n // ep) == 0]
 
 
+def _repeat(body, calls, x):
+    """body(i, x) applied `calls` times in a Python loop: a straight-line
+    program (XLA's GPU while loop would check its condition on the host per
+    trip, as bench_moe.py explains)."""
+    for i in range(calls):
+        x = body(i, x)
+    return x
+
+
 def timed(run, args, calls, repeats) -> float:
     """µs per layer call: warm-up (and compile), then the median of `repeats` runs."""
     jax.block_until_ready(run(*args))
@@ -141,7 +150,7 @@ def single_loop(topk, calls):
     def run(x, logits, w13, w2):
         def body(i, h):
             return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk)
-        return jax.lax.fori_loop(0, calls, body, x)
+        return _repeat(body, calls, x)
     return run
 
 
@@ -151,7 +160,7 @@ def sharded_loop(mesh, strategy, topk, calls):
         def body(i, h):
             return jax_moe.moe_forward_sharded(h, logits[i % logits.shape[0]], w13, w2, topk,
                                                mesh=mesh, strategy=strategy)
-        return jax.lax.fori_loop(0, calls, body, x)
+        return _repeat(body, calls, x)
     return run
 
 
@@ -181,7 +190,7 @@ def expert_loop(plan, calls):
         def body(i, h):
             r = i % logits.shape[0]
             return step(h, logits[r], w_pre[r], id_pre[r], w13, w2)
-        return jax.lax.fori_loop(0, calls, body, xg)
+        return _repeat(body, calls, xg)
     return run
 
 
