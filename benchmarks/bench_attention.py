@@ -6,10 +6,14 @@ decode:  paged_decode_attention (page sizes 16 and 64, pages in random order)
          contiguous (B, L, Hkv, D) cache with key_value_seq_lengths. Reported
          as µs per call and TB/s of KV read: the bytes of K and V that the
          lengths cover (sum(lengths) * Hkv * D * 2 * itemsize).
-prefill: prefill_attention on B sequences packed into S tokens (its default
-         path, and forced "xla") vs dense causal attention on the padded batch
-         (B, S/B, H, D) ("xla" | "cudnn"). Reported as µs and TFLOP/s of useful
-         causal FLOPs: 4 * Hq * D * sum_i s_i (s_i + 1) / 2.
+prefill: prefill_attention on B sequences packed into S tokens vs dense
+         causal attention on the padded batch (B, S/B, H, D) ("xla" |
+         "cudnn"). The packed batch runs on the default implementation with
+         the segment mask, with max_seqlen = S/B (sequence lengths; N == B *
+         max_seqlen: a reshape) and with max_seqlen = S/B + 128 (the gathered
+         layout), and with the mask forced onto "xla". Reported as µs and
+         TFLOP/s of useful causal FLOPs: 4 * Hq * D * sum_i s_i (s_i + 1) / 2,
+         and the max abs difference to dense XLA.
 
 Timing as in bench_moe.py: one jitted loop of many calls, each call's output
 is the next call's query (nothing hoisted or cached); after a warm-up the loop
@@ -146,26 +150,18 @@ def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
     case = f"B={b} S={s}"
     rows = []
 
-    def row(impl, sec):
+    def row(impl, sec, err=None):
         r = {"kind": "prefill", "case": case, "B": b, "S": s, "impl": impl,
              "us": None if sec is None else sec * 1e6, "flops": flops,
-             "tflops": None if sec is None else flops / sec / 1e12}
+             "tflops": None if sec is None else flops / sec / 1e12, "max_abs_err_vs_xla": err}
         rows.append(r)
 
-    def packed(impl):
-        def step(x, k, v, cu):
-            return attention.prefill_attention(x, k, v, cu, causal=True, implementation=impl)
-        return step
+    def max_err(out, want):
+        if want is None:
+            return None
+        return float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
 
-    auto = attention.prefill_path(q, k, v, cu)
-    for impl in (None, "xla") if auto != "xla" else (None,):
-        name = f"packed prefill_attention ({impl or 'auto: ' + auto})"
-        try:
-            row(name, time_loop(packed(impl), q, (k, v, cu), calls, repeats))
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the N x N mask: recorded
-            _failed(f"prefill {case} {name}", exc)
-            row(name, None)
-
+    # Dense XLA first: the yardstick the other outputs are compared with.
     def dense(impl):
         def step(x, k, v):
             o = jax.nn.dot_product_attention(x.reshape(b, per, hq, d), k.reshape(b, per, hkv, d),
@@ -174,12 +170,39 @@ def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
             return o.reshape(s, hq, d)
         return step
 
+    want = None
     for impl in dense_impls(on_gpu):
         try:
-            row(f"dense padded {impl}", time_loop(dense(impl), q, (k, v), calls, repeats))
-        except Exception as exc:  # noqa: BLE001
+            sec = time_loop(dense(impl), q, (k, v), calls, repeats)
+            out = jax.jit(dense(impl))(q, k, v)
+            err = max_err(out, want)
+            if impl == "xla":
+                want = np.asarray(out.astype(jnp.float32))
+            row(f"dense padded {impl}", sec, err)
+        except Exception as exc:  # noqa: BLE001 - cuDNN may refuse a shape: recorded
             _failed(f"prefill {case} dense {impl}", exc)
             row(f"dense padded {impl}", None)
+
+    # The packed batch three ways on the default implementation: the (N, N)
+    # segment mask; max_seqlen = S/B (N == B * max_seqlen: a reshape into the
+    # padded batch); max_seqlen = S/B + 128 (the gathered layout, as for
+    # unequal lengths). Then the mask path forced onto XLA.
+    auto = attention.prefill_path(q, k, v, cu)
+    variants = [(f"packed mask ({auto})", {}),
+                (f"packed max_seqlen={per} ({auto}_padded, reshape)", {"max_seqlen": per}),
+                (f"packed max_seqlen={per + 128} ({auto}_padded, gather)",
+                 {"max_seqlen": per + 128})]
+    if auto != "xla":
+        variants.append(("packed mask (xla)", {"implementation": "xla"}))
+    for name, kw in variants:
+        def step(x, k, v, cu, kw=kw):
+            return attention.prefill_attention(x, k, v, cu, causal=True, **kw)
+        try:
+            sec = time_loop(step, q, (k, v, cu), calls, repeats)
+            row(name, sec, max_err(jax.jit(step)(q, k, v, cu), want))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the N x N mask: recorded
+            _failed(f"prefill {case} {name}", exc)
+            row(name, None)
     return rows
 
 
@@ -192,8 +215,10 @@ def print_row(r):
         err = r["max_abs_err_vs_xla"]
         extra = f"{_fmt(r['tbps'], '.3f'):>10} TB/s  err vs xla {'-' if err is None else f'{err:.1e}'}"
     else:
-        extra = f"{_fmt(r['tflops'], '.2f'):>10} TFLOP/s"
-    print(f"{r['kind']:<8}{r['case']:<16}{r['impl']:<38}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
+        err = r["max_abs_err_vs_xla"]
+        extra = (f"{_fmt(r['tflops'], '.2f'):>10} TFLOP/s  err vs xla "
+                 f"{'-' if err is None else f'{err:.1e}'}")
+    print(f"{r['kind']:<8}{r['case']:<16}{r['impl']:<46}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
           flush=True)
 
 
@@ -256,7 +281,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     write_json(args.json, meta, rows)
-    print(f"{'kind':<8}{'case':<16}{'impl':<38}{'time':>12}")
+    print(f"{'kind':<8}{'case':<16}{'impl':<46}{'time':>12}")
     jobs = []
     if args.only in (None, "decode"):
         jobs += [(bench_decode, c) for c in decode_cases]

@@ -3,15 +3,16 @@
 //
 // Decode runs in two kernels, both with fixed reduction orders (bitwise
 // reproducible run to run):
-//  1. DecodeSplitKernel: one block per (batch b, kv head, split of
-//     kDecodeSplitTokens tokens). For each query head of the GQA group it
-//     computes the split's scores (K rows read with 16-byte loads, a group of
-//     TPT lanes per token), the split's max m and sum l of exp(score - m), and
-//     the unnormalised sum of exp(score - m) * V, written to the scratch
-//     outputs part_out (B, Hq, S, D) and part_stats (B, Hq, S, 2). No
-//     allocation: the scratch is an extra output of the custom call.
-//  2. DecodeCombineKernel: one block per (b, query head), one thread per
-//     dimension; merges the splits in split order.
+//  1. DecodeSplitKernel: one block per (batch b, kv head, chunk of up to 8
+//     query heads of its GQA group, split of kDecodeSplitTokens tokens). One
+//     pass over the split's K rows scores all the chunk's heads, one pass over
+//     its V rows accumulates them (K/V read once, not once per head; 16-byte
+//     loads, several in flight per lane). Per head: the split's max m and sum l
+//     of exp(score - m) and the unnormalised sum of exp(score - m) * V, written
+//     to the scratch outputs part_stats (B, Hq, S, 2) and part_out (B, Hq, S, D).
+//     No allocation: the scratch is an extra output of the custom call.
+//  2. DecodeCombineKernel: one block per (b, query head); merges the splits
+//     holding tokens, in split order.
 // Semantics are those of the CPU handler (csrc/cpu/attention.cc): lengths are
 // clamped to [0, max_pages * page_size], tokens on a page id outside
 // [0, num_pages) are skipped, and a sequence without valid tokens gives 0.
@@ -94,45 +95,49 @@ ffi::Error WriteKvCuda(cudaStream_t stream, ffi::AnyBuffer k_pages, ffi::AnyBuff
 // ---- paged decode ------------------------------------------------------------
 
 constexpr int kDecodeThreads = 128;
-constexpr int kWarps = kDecodeThreads / 32;
+constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kSplit = static_cast<int>(kDecodeSplitTokens);
+// Query heads one block handles (a larger GQA group is spread over blocks;
+// each block then re-reads the split, mostly from L2).
+constexpr int kMaxHeadsPerBlock = 8;
 
-// Lane layout of one K/V row of D elements of type T: VEC elements per 16-byte
-// chunk, TPT lanes per token (a power of two <= 32, aligned inside a warp),
-// CPL chunks per lane, NG tokens in flight per block.
+// Lane layout of one K/V row of D elements of type T: kVec elements per 16-byte
+// chunk, kTpt lanes per token (a power of two <= 32, aligned inside a warp),
+// kCpl chunks (kEpl elements) per lane, kGroups tokens side by side.
 template <typename T, int D>
 struct RowLayout {
   static constexpr int kVec = 16 / sizeof(T);
   static constexpr int kChunks = D / kVec;
   static constexpr int kTpt = kChunks < 32 ? kChunks : 32;
   static constexpr int kCpl = kChunks / kTpt;
+  static constexpr int kEpl = kCpl * kVec;
   static constexpr int kGroups = kDecodeThreads / kTpt;
   static_assert(kChunks % kTpt == 0 && (kTpt & (kTpt - 1)) == 0 && 32 % kTpt == 0, "layout");
 };
 
-// Block-wide reductions in a fixed order (xor tree in each warp, then the warp
-// results in warp order); every thread gets the result.
-__device__ __forceinline__ float BlockMax(float x, float* scratch) {
+__device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-  __syncthreads();
-  float r = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) r = fmaxf(r, scratch[w]);
-  __syncthreads();  // scratch free again
-  return r;
+  return x;
 }
 
-__device__ __forceinline__ float BlockSum(float x, float* scratch) {
+__device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Block-wide max (xor tree in each warp, then the warps in order); every
+// thread gets the result.
+template <int kNumWarps>
+__device__ __forceinline__ float BlockMax(float x, float* scratch) {
+  x = WarpMax(x);
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
   __syncthreads();
   float r = scratch[0];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) r += scratch[w];
-  __syncthreads();
+  for (int w = 1; w < kNumWarps; ++w) r = fmaxf(r, scratch[w]);
+  __syncthreads();  // scratch free again
   return r;
 }
 
@@ -141,38 +146,90 @@ __device__ __forceinline__ int64_t ClampLength(int32_t len, int64_t max_tokens) 
   return l < 0 ? 0 : (l > max_tokens ? max_tokens : l);
 }
 
-// grid (batch * hkv, num_splits), kDecodeThreads threads.
-template <ffi::DataType DT, int D>
+// Issues the loads of this lane's chunks of the rows of tokens
+// base + u * kGroups + grp (u < U) of one kv head; tokens past ntok or
+// skipped (slot -1) read as zeros and get ok[u] = false.
+template <typename L, int U, typename T>
+__device__ __forceinline__ void LoadRows(const T* __restrict__ cache,
+                                         const int64_t* __restrict__ slot_of, int ntok, int base,
+                                         int grp, int lane, int64_t row, int64_t col,
+                                         uint4 (&raw)[U][L::kCpl], bool (&ok)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = base + u * L::kGroups + grp;
+    const int64_t slot = i < ntok ? slot_of[i] : -1;
+    ok[u] = slot >= 0;
+#pragma unroll
+    for (int c = 0; c < L::kCpl; ++c) {
+      raw[u][c] = make_uint4(0u, 0u, 0u, 0u);
+      if (slot >= 0)
+        raw[u][c] = __ldg(reinterpret_cast<const uint4*>(cache + slot * row + col +
+                                                         (c * L::kTpt + lane) * L::kVec));
+    }
+  }
+}
+
+template <ffi::DataType DT>
+__device__ __forceinline__ void Unpack(const uint4& raw,
+                                       float (&f)[16 / sizeof(typename DevScalar<DT>::T)]) {
+  using T = typename DevScalar<DT>::T;
+  const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int x = 0; x < static_cast<int>(16 / sizeof(T)); ++x) f[x] = DevScalar<DT>::Load(v[x]);
+}
+
+// grid (batch * hkv * head_chunks, num_splits), kDecodeThreads threads. A block
+// takes GC query heads of one GQA group (h0 .. h0 + ng - 1, all reading kv head
+// kvh) over one split of kSplit tokens: one pass over the split's K rows gives
+// the scores of all its heads, one pass over the V rows their outputs, so K and
+// V are read once per block, not once per head. Per head it writes the split's
+// max m and sum l of exp(score - m) (part_stats) and the unnormalised sum of
+// exp(score - m) * V (part_out). All sums run in a fixed order.
+template <ffi::DataType DT, int D, int GC>
 __global__ void __launch_bounds__(kDecodeThreads)
     DecodeSplitKernel(const typename DevScalar<DT>::T* __restrict__ q,
                       const typename DevScalar<DT>::T* __restrict__ kc,
                       const typename DevScalar<DT>::T* __restrict__ vc,
                       const int32_t* __restrict__ table, const int32_t* __restrict__ lengths,
-                      int64_t hq, int64_t hkv, int64_t group, int64_t num_pages,
-                      int64_t page_size, int64_t max_pages, int64_t num_splits, float scale,
-                      float* __restrict__ part_out, float* __restrict__ part_stats) {
+                      int64_t hq, int64_t hkv, int64_t group, int64_t head_chunks,
+                      int64_t num_pages, int64_t page_size, int64_t max_pages,
+                      int64_t num_splits, float scale, float* __restrict__ part_out,
+                      float* __restrict__ part_stats) {
   using S = DevScalar<DT>;
   using T = typename S::T;
   using L = RowLayout<T, D>;
-  constexpr int kVec = L::kVec, kTpt = L::kTpt, kCpl = L::kCpl, kGroups = L::kGroups;
-
-  __shared__ float qs[D];
-  __shared__ float sc[kSplit];
+  constexpr int kVec = L::kVec, kTpt = L::kTpt, kCpl = L::kCpl, kEpl = L::kEpl;
+  constexpr int kGroups = L::kGroups;
+  // Tokens per lane group and step: their 16-byte loads go out together, and
+  // the next step's loads go out before this step's math (double buffering),
+  // so 4-8 loads per lane (2-4 with 8 heads, whose registers are scarcer) are
+  // in flight: one per lane cannot cover the memory latency.
+  constexpr int kLoads = GC >= 8 ? 2 : 4;  // 16-byte loads per lane and buffer
+  constexpr int kUnroll = kLoads / kCpl > 0 ? kLoads / kCpl : 1;
+  constexpr int kStep = kGroups * kUnroll;
+  // Scores (GC, kSplit) during the two passes, then the per-warp partial
+  // outputs (kDecodeWarps, GC, D).
+  constexpr int kBuf = GC * kSplit > kDecodeWarps * GC * D ? GC * kSplit : kDecodeWarps * GC * D;
+  __shared__ __align__(16) float buf[kBuf];
   __shared__ int64_t slot_of[kSplit];  // cache slot of each token of the split, -1: skipped
-  __shared__ float red[kGroups * D];
-  __shared__ float scratch[kWarps];
 
-  const int64_t b = blockIdx.x / hkv;
-  const int64_t kvh = blockIdx.x % hkv;
-  const int64_t split = blockIdx.y;
   const int tid = threadIdx.x;
-  const int lane = tid % kTpt;   // lane within the token group
-  const int grp = tid / kTpt;    // token group
-  const int64_t max_tokens = max_pages * page_size;
-  const int64_t len = ClampLength(lengths[b], max_tokens);
+  const int lane = tid % kTpt;  // lane within the token group
+  const int grp = tid / kTpt;   // token group
+  const int warp = tid / 32, wlane = tid % 32;
+  const int64_t chunk = blockIdx.x % head_chunks;
+  const int64_t bk = blockIdx.x / head_chunks;
+  const int64_t b = bk / hkv;
+  const int64_t kvh = bk % hkv;
+  const int64_t split = blockIdx.y;
+  const int64_t len = ClampLength(lengths[b], max_pages * page_size);
   const int64_t t0 = split * kSplit;
-  const int ntok = static_cast<int>(len > t0 ? (len - t0 < kSplit ? len - t0 : kSplit) : 0);
+  if (len <= t0) return;  // no token here; the combine kernel never reads this split
+  const int ntok = static_cast<int>(len - t0 < kSplit ? len - t0 : kSplit);
+  const int ng = static_cast<int>(group - chunk * GC < GC ? group - chunk * GC : GC);
+  const int64_t h0 = kvh * group + chunk * GC;
   const int64_t row = hkv * D;  // elements per cache slot
+  const int64_t col = kvh * D;  // this kv head's offset within a slot
 
   for (int i = tid; i < ntok; i += kDecodeThreads) {
     const int64_t t = t0 + i;
@@ -180,132 +237,295 @@ __global__ void __launch_bounds__(kDecodeThreads)
     slot_of[i] = (page >= 0 && page < num_pages) ? page * page_size + t % page_size : -1;
   }
 
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = kvh * group + g;
-    const int64_t part = (b * hq + h) * num_splits + split;
-    for (int e = tid; e < D; e += kDecodeThreads) qs[e] = S::Load(q[(b * hq + h) * D + e]) * scale;
-    __syncthreads();  // qs and slot_of visible; sc/red of the previous head consumed
-
-    // Pass 1: scores. Every thread runs the same trip count (the shuffles
-    // need the whole warp); tokens past ntok compute nothing.
-    for (int base = 0; base < ntok; base += kGroups) {
-      const int i = base + grp;
-      const int64_t slot = i < ntok ? slot_of[i] : -1;
-      float dot = 0.f;
-      if (slot >= 0) {
-        const T* krow = kc + slot * row + kvh * D;
+  // This lane's elements of q * scale for each head (0 for heads past ng).
+  float qr[GC][kEpl];
 #pragma unroll
-        for (int c = 0; c < kCpl; ++c) {
-          const int e0 = (c * kTpt + lane) * kVec;
-          T vals[kVec];
-          *reinterpret_cast<uint4*>(vals) = __ldg(reinterpret_cast<const uint4*>(krow + e0));
-#pragma unroll
-          for (int x = 0; x < kVec; ++x) dot += qs[e0 + x] * S::Load(vals[x]);
-        }
-      }
-#pragma unroll
-      for (int o = kTpt / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (lane == 0 && i < ntok) sc[i] = slot >= 0 ? dot : -INFINITY;
-    }
-    __syncthreads();
-
-    float m = -INFINITY;
-    for (int i = tid; i < ntok; i += kDecodeThreads) m = fmaxf(m, sc[i]);
-    m = BlockMax(m, scratch);
-    float l = 0.f;
-    for (int i = tid; i < ntok; i += kDecodeThreads) {
-      const float p = sc[i] == -INFINITY ? 0.f : expf(sc[i] - m);
-      sc[i] = p;
-      l += p;
-    }
-    l = BlockSum(l, scratch);  // its barrier also publishes sc
-
-    // Pass 2: sum of p * V, per token group, then the groups in group order.
-    float acc[kCpl * kVec];
-#pragma unroll
-    for (int x = 0; x < kCpl * kVec; ++x) acc[x] = 0.f;
-    for (int base = 0; base < ntok; base += kGroups) {
-      const int i = base + grp;
-      if (i >= ntok) continue;
-      const int64_t slot = slot_of[i];
-      if (slot < 0) continue;
-      const float p = sc[i];
-      const T* vrow = vc + slot * row + kvh * D;
-#pragma unroll
-      for (int c = 0; c < kCpl; ++c) {
-        const int e0 = (c * kTpt + lane) * kVec;
-        T vals[kVec];
-        *reinterpret_cast<uint4*>(vals) = __ldg(reinterpret_cast<const uint4*>(vrow + e0));
-#pragma unroll
-        for (int x = 0; x < kVec; ++x) acc[c * kVec + x] += p * S::Load(vals[x]);
-      }
-    }
+  for (int g = 0; g < GC; ++g) {
 #pragma unroll
     for (int c = 0; c < kCpl; ++c) {
+      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+      if (g < ng)
+        raw = __ldg(reinterpret_cast<const uint4*>(q + (b * hq + h0 + g) * D +
+                                                   (c * kTpt + lane) * kVec));
+      float f[kVec];
+      Unpack<DT>(raw, f);
 #pragma unroll
-      for (int x = 0; x < kVec; ++x) red[grp * D + (c * kTpt + lane) * kVec + x] = acc[c * kVec + x];
+      for (int x = 0; x < kVec; ++x) qr[g][c * kVec + x] = f[x] * scale;
     }
-    __syncthreads();
-    for (int e = tid; e < D; e += kDecodeThreads) {
-      float o = 0.f;
+  }
+  __syncthreads();  // slot_of visible
+
+  float* sc = buf;  // sc[g * kSplit + i]: score, then probability, of token i for head g
+  uint4 ra[kUnroll][kCpl], rb[kUnroll][kCpl];  // two buffers of loads in flight
+  bool oa[kUnroll], ob[kUnroll];
+
+  // Pass 1 step: the scores of the tokens of one buffer. Every thread runs
+  // every step (the shuffles need the whole warp); tokens past ntok store nothing.
+  auto score = [&](int base, const uint4(&raw)[kUnroll][kCpl], const bool(&ok)[kUnroll]) {
+    float dot[kUnroll][GC];
 #pragma unroll
-      for (int gi = 0; gi < kGroups; ++gi) o += red[gi * D + e];
-      part_out[part * D + e] = o;
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) dot[u][g] = 0.f;
+#pragma unroll
+      for (int c = 0; c < kCpl; ++c) {
+        float f[kVec];
+        Unpack<DT>(raw[u][c], f);
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+#pragma unroll
+          for (int x = 0; x < kVec; ++x) dot[u][g] += qr[g][c * kVec + x] * f[x];
+        }
+      }
     }
-    if (tid == 0) {
+#pragma unroll
+    for (int o = kTpt / 2; o > 0; o >>= 1) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) dot[u][g] += __shfl_xor_sync(0xffffffffu, dot[u][g], o);
+      }
+    }
+    // Every lane of the group holds the sums; the stores are spread over lanes.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kGroups + grp;
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        if (g < ng && i < ntok && (u * GC + g) % kTpt == lane)
+          sc[g * kSplit + i] = ok[u] ? dot[u][g] : -INFINITY;
+      }
+    }
+  };
+  // Loop conditions depend on ntok only: uniform over the block.
+  LoadRows<L, kUnroll>(kc, slot_of, ntok, 0, grp, lane, row, col, ra, oa);
+  for (int base = 0; base < ntok; base += 2 * kStep) {
+    if (base + kStep < ntok)
+      LoadRows<L, kUnroll>(kc, slot_of, ntok, base + kStep, grp, lane, row, col, rb, ob);
+    score(base, ra, oa);
+    if (base + kStep >= ntok) break;
+    if (base + 2 * kStep < ntok)
+      LoadRows<L, kUnroll>(kc, slot_of, ntok, base + 2 * kStep, grp, lane, row, col, ra, oa);
+    score(base + kStep, rb, ob);
+  }
+  __syncthreads();  // scores complete
+
+  // The first V rows do not depend on the softmax: their loads go out now.
+  LoadRows<L, kUnroll>(vc, slot_of, ntok, 0, grp, lane, row, col, ra, oa);
+
+  // Softmax statistics in f32, one warp per head; scores become exp(s - m),
+  // 0 for skipped tokens.
+  for (int g = warp; g < ng; g += kDecodeWarps) {
+    float* s = sc + g * kSplit;
+    float m = -INFINITY;
+    for (int i = wlane; i < ntok; i += 32) m = fmaxf(m, s[i]);
+    m = WarpMax(m);
+    float l = 0.f;
+    for (int i = wlane; i < ntok; i += 32) {
+      const float p = s[i] == -INFINITY ? 0.f : expf(s[i] - m);
+      s[i] = p;
+      l += p;
+    }
+    l = WarpSum(l);
+    if (wlane == 0) {
+      const int64_t part = (b * hq + h0 + g) * num_splits + split;
       part_stats[part * 2] = m;
       part_stats[part * 2 + 1] = l;
     }
-    // The barrier at the top of the next head orders the reuse of qs/sc/red.
+  }
+  __syncthreads();  // probabilities visible
+
+  // Pass 2: each lane sums p * V over its tokens, in token order.
+  float acc[GC][kEpl];
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+#pragma unroll
+    for (int e = 0; e < kEpl; ++e) acc[g][e] = 0.f;
+  }
+  auto accumulate = [&](int base, const uint4(&raw)[kUnroll][kCpl], const bool(&ok)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kGroups + grp;
+      float p[GC];
+#pragma unroll
+      for (int g = 0; g < GC; ++g) p[g] = (ok[u] && g < ng) ? sc[g * kSplit + i] : 0.f;
+#pragma unroll
+      for (int c = 0; c < kCpl; ++c) {
+        float f[kVec];
+        Unpack<DT>(raw[u][c], f);
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+#pragma unroll
+          for (int x = 0; x < kVec; ++x) acc[g][c * kVec + x] += p[g] * f[x];
+        }
+      }
+    }
+  };
+  for (int base = 0; base < ntok; base += 2 * kStep) {
+    if (base + kStep < ntok)
+      LoadRows<L, kUnroll>(vc, slot_of, ntok, base + kStep, grp, lane, row, col, rb, ob);
+    accumulate(base, ra, oa);
+    if (base + kStep >= ntok) break;
+    if (base + 2 * kStep < ntok)
+      LoadRows<L, kUnroll>(vc, slot_of, ntok, base + 2 * kStep, grp, lane, row, col, ra, oa);
+    accumulate(base + kStep, rb, ob);
+  }
+
+  // The token groups of a warp combine by xor shuffles, the warps through
+  // shared memory in warp order.
+#pragma unroll
+  for (int o = kTpt; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+#pragma unroll
+      for (int e = 0; e < kEpl; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+    }
+  }
+  __syncthreads();  // every read of sc done: buf is reused below
+  float* red = buf;  // red[(w * GC + g) * D + e]
+  if (wlane < kTpt) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+#pragma unroll
+      for (int c = 0; c < kCpl; ++c) {
+#pragma unroll
+        for (int x = 0; x < kVec; ++x)
+          red[(warp * GC + g) * D + (c * kTpt + lane) * kVec + x] = acc[g][c * kVec + x];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ng * D; idx += kDecodeThreads) {
+    const int g = idx / D, e = idx % D;
+    float o = red[g * D + e];
+#pragma unroll
+    for (int w = 1; w < kDecodeWarps; ++w) o += red[(w * GC + g) * D + e];
+    part_out[((b * hq + h0 + g) * num_splits + split) * D + e] = o;
   }
 }
 
-// grid (batch * hq), D threads: out = sum_s w_s o_s / sum_s w_s l_s with
-// w_s = exp(m_s - max_s m_s), splits in order; no valid token: 0.
+constexpr int kCombineThreads = 256;
+constexpr int kCombineChunk = 256;  // splits whose weights are staged in shared memory at once
+
+// grid (batch * hq), kCombineThreads threads: out = sum_s w_s o_s / sum_s w_s l_s
+// over the splits holding tokens, w_s = exp(m_s - max_s m_s); no valid token: 0.
+// Thread (r, v) reads float4 v of the partial outputs of splits r, r + kPhases,
+// ... (several 16-byte loads in flight); the phases are summed in phase order.
 template <ffi::DataType DT, int D>
-__global__ void __launch_bounds__(D)
+__global__ void __launch_bounds__(kCombineThreads)
     DecodeCombineKernel(const float* __restrict__ part_out, const float* __restrict__ part_stats,
                         const int32_t* __restrict__ lengths, int64_t hq, int64_t max_tokens,
                         int64_t num_splits, typename DevScalar<DT>::T* __restrict__ out) {
   using S = DevScalar<DT>;
+  constexpr int kV = D / 4;
+  constexpr int kPhases = kCombineThreads / kV;
+  static_assert(D % 4 == 0 && kCombineThreads % kV == 0, "combine layout");
+  __shared__ float w[kCombineChunk];
+  __shared__ float wl[kCombineChunk];
+  __shared__ float4 red[kPhases * kV];
+  __shared__ float scratch[kCombineThreads / 32];
+
   const int64_t bh = blockIdx.x;
   const int64_t b = bh / hq;
-  const int e = threadIdx.x;
+  const int tid = threadIdx.x, v = tid % kV, r = tid / kV;
   const int64_t len = ClampLength(lengths[b], max_tokens);
   int64_t used = (len + kSplit - 1) / kSplit;  // splits holding tokens
   if (used > num_splits) used = num_splits;
   const float* st = part_stats + bh * num_splits * 2;
-  const float* po = part_out + bh * num_splits * D;
+  const float4* po = reinterpret_cast<const float4*>(part_out + bh * num_splits * D);
+
   float mx = -INFINITY;
-  for (int64_t s = 0; s < used; ++s) mx = fmaxf(mx, st[2 * s]);
-  float num = 0.f, den = 0.f;
-  if (mx != -INFINITY) {
-    for (int64_t s = 0; s < used; ++s) {
-      const float ms = st[2 * s];
-      if (ms == -INFINITY) continue;  // no valid token in this split
-      const float w = expf(ms - mx);
-      den += w * st[2 * s + 1];
-      num += w * po[s * D + e];
+  for (int64_t s = tid; s < used; s += kCombineThreads) mx = fmaxf(mx, st[2 * s]);
+  mx = BlockMax<kCombineThreads / 32>(mx, scratch);
+  float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+  float den = 0.f;
+  for (int64_t c0 = 0; c0 < used; c0 += kCombineChunk) {
+    const int n = static_cast<int>(used - c0 < kCombineChunk ? used - c0 : kCombineChunk);
+    for (int j = tid; j < n; j += kCombineThreads) {
+      const float ms = st[2 * (c0 + j)];
+      const float ws = ms == -INFINITY ? 0.f : expf(ms - mx);  // a split without valid token: 0
+      w[j] = ws;
+      wl[j] = ws * st[2 * (c0 + j) + 1];
     }
+    __syncthreads();
+#pragma unroll 4
+    for (int j = r; j < n; j += kPhases) {
+      const float4 o = po[(c0 + j) * kV + v];
+      const float ws = w[j];
+      num.x += ws * o.x;
+      num.y += ws * o.y;
+      num.z += ws * o.z;
+      num.w += ws * o.w;
+    }
+    if (r == 0) {
+      for (int j = 0; j < n; ++j) den += wl[j];
+    }
+    __syncthreads();  // w, wl consumed before the next chunk overwrites them
   }
-  out[bh * D + e] = S::Store(den > 0.f ? num / den : 0.f);
+  red[r * kV + v] = num;
+  __syncthreads();
+  if (r == 0) {
+    float4 o = red[v];
+#pragma unroll
+    for (int p = 1; p < kPhases; ++p) {
+      const float4 x = red[p * kV + v];
+      o.x += x.x;
+      o.y += x.y;
+      o.z += x.z;
+      o.w += x.w;
+    }
+    auto* dst = out + bh * D + 4 * v;
+    dst[0] = S::Store(den > 0.f ? o.x / den : 0.f);
+    dst[1] = S::Store(den > 0.f ? o.y / den : 0.f);
+    dst[2] = S::Store(den > 0.f ? o.z / den : 0.f);
+    dst[3] = S::Store(den > 0.f ? o.w / den : 0.f);
+  }
 }
 
-template <ffi::DataType DT, int D>
+template <ffi::DataType DT, int D, int GC>
 ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& kp,
                         const ffi::AnyBuffer& vp, const int32_t* table, const int32_t* lengths,
                         const DecodeDims& d, float scale, void* out, float* part_out,
                         float* part_stats) {
   using T = typename DevScalar<DT>::T;
-  const dim3 grid(static_cast<unsigned>(d.batch * d.hkv), static_cast<unsigned>(d.num_splits));
-  DecodeSplitKernel<DT, D><<<grid, kDecodeThreads, 0, stream>>>(
+  const int64_t head_chunks = (d.group + GC - 1) / GC;
+  const int64_t blocks = d.batch * d.hkv * head_chunks;
+  if (blocks >= (int64_t{1} << 31))
+    return InvalidArg("paged_decode: batch * kv heads * head chunks must be < 2^31");
+  // The chunks of one (sequence, kv head) are neighbours on grid.x: they run
+  // together and share the split's K/V through L2.
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(d.num_splits));
+  DecodeSplitKernel<DT, D, GC><<<grid, kDecodeThreads, 0, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
       static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
-      d.num_pages, d.page_size, d.max_pages, d.num_splits, scale, part_out, part_stats);
+      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, scale, part_out,
+      part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
-  DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), D, 0, stream>>>(
+  DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), kCombineThreads, 0, stream>>>(
       part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, static_cast<T*>(out));
   return LastCudaError("paged_decode combine launch");
+}
+
+// Heads per block: the smallest power of two covering the group, at most
+// kMaxHeadsPerBlock (registers hold GC x (elements per lane) of q and of the
+// output; a non power of two leaves the last heads of the block idle).
+template <ffi::DataType DT, int D>
+ffi::Error DispatchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& kp,
+                          const ffi::AnyBuffer& vp, const int32_t* table, const int32_t* lengths,
+                          const DecodeDims& d, float scale, void* out, float* part_out,
+                          float* part_stats) {
+  static_assert(kMaxHeadsPerBlock == 8, "dispatch below");
+  if (d.group <= 1)
+    return LaunchDecode<DT, D, 1>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                  part_stats);
+  if (d.group <= 2)
+    return LaunchDecode<DT, D, 2>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                  part_stats);
+  if (d.group <= 4)
+    return LaunchDecode<DT, D, 4>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                  part_stats);
+  return LaunchDecode<DT, D, 8>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                part_stats);
 }
 
 ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -330,14 +550,14 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
     float* ps = part_stats->typed_data();
     switch (d.head_dim) {
       case 64:
-        return LaunchDecode<DT, 64>(stream, q, k_pages, v_pages, table, lens, d, scale,
-                                    out->untyped_data(), po, ps);
+        return DispatchDecode<DT, 64>(stream, q, k_pages, v_pages, table, lens, d, scale,
+                                      out->untyped_data(), po, ps);
       case 128:
-        return LaunchDecode<DT, 128>(stream, q, k_pages, v_pages, table, lens, d, scale,
-                                     out->untyped_data(), po, ps);
+        return DispatchDecode<DT, 128>(stream, q, k_pages, v_pages, table, lens, d, scale,
+                                       out->untyped_data(), po, ps);
       default:
-        return LaunchDecode<DT, 256>(stream, q, k_pages, v_pages, table, lens, d, scale,
-                                     out->untyped_data(), po, ps);
+        return DispatchDecode<DT, 256>(stream, q, k_pages, v_pages, table, lens, d, scale,
+                                       out->untyped_data(), po, ps);
     }
   });
 }

@@ -140,3 +140,33 @@ def prefill_args(q, k, v, cu_seqlens, scale) -> float:
             raise ValueError(
                 f"cu_seqlens must start at 0, be non-decreasing and end at most at N={n}, got {c.tolist()}")
     return scale_value(scale, d)
+
+
+def prefill_max_seqlen(q, cu_seqlens, max_seqlen) -> int | None:
+    """max_seqlen of prefill_attention: None, or a static int >= 1. Eagerly
+    (concrete cu_seqlens) the padded layout's contract is checked: every
+    sequence at most max_seqlen tokens and, when N == B * max_seqlen (the
+    layout is then a reshape), sequence i starting at token i * max_seqlen.
+    Under jit a violation poisons the output with NaN instead."""
+    if max_seqlen is None:
+        return None
+    if isinstance(max_seqlen, bool):
+        raise TypeError(f"max_seqlen must be a Python int (static) or None, got {max_seqlen!r}")
+    m = _checks.static_int(max_seqlen, "max_seqlen")
+    if m < 1:
+        raise ValueError(f"max_seqlen must be >= 1, got {m}")
+    if _concrete(cu_seqlens) and cu_seqlens.shape[0] > 1:
+        c = np.asarray(cu_seqlens).astype(np.int64)
+        lens = np.diff(c)
+        if int(lens.max()) > m:
+            i = int(np.argmax(lens))
+            raise ValueError(
+                f"sequence {i} has {int(lens[i])} tokens, more than max_seqlen={m}")
+        b = c.shape[0] - 1
+        if q.shape[0] == b * m and np.any(c[:-1] != np.arange(b) * m):
+            raise ValueError(
+                f"N = B * max_seqlen = {q.shape[0]}: the packed batch is read as B rows of "
+                f"max_seqlen tokens, so sequence i must start at i * max_seqlen (all sequences "
+                f"but the last exactly max_seqlen long), got cu_seqlens {c.tolist()}; pass a "
+                f"larger max_seqlen (the general, gathered layout)")
+    return m

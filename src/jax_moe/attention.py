@@ -18,6 +18,9 @@ Invalid values (only checkable eagerly; under jax.jit the kernels guard instead)
     softmax); a sequence without any valid token gets a zero output. Eagerly,
     such page ids (in the used part of page_table) and lengths outside
     [0, capacity] raise ValueError.
+  - prefill_attention(..., max_seqlen=M): a sequence longer than M (or, when
+    N == B * M, one not starting at a multiple of M) poisons the output with
+    NaN under jit; eagerly it raises ValueError.
 """
 
 from __future__ import annotations
@@ -114,31 +117,62 @@ def _cudnn_ok(q) -> bool:
     return True
 
 
-def prefill_path(q, k, v, cu_seqlens, *, causal=True, scale=None, implementation=None) -> str:
-    """The path prefill_attention takes for these arguments: "xla" or "cudnn".
+def prefill_path(q, k, v, cu_seqlens, *, causal=True, scale=None, implementation=None,
+                 max_seqlen=None) -> str:
+    """The path prefill_attention takes for these arguments: "xla" or "cudnn"
+    (segment mask over the packed batch), "xla_padded" or "cudnn_padded"
+    (max_seqlen given: padded batch with sequence lengths).
 
     implementation=None picks cuDNN flash attention on an NVIDIA GPU for
     bf16/f16 with D <= 128 (multiple of 8) and XLA otherwise; "xla" / "cudnn"
-    force a path ("cudnn" where unsupported raises, as in jax)."""
+    force an implementation ("cudnn" where unsupported raises, as in jax)."""
     _ac.prefill_args(q, k, v, cu_seqlens, scale)
+    m = _ac.prefill_max_seqlen(q, cu_seqlens, max_seqlen)
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation is not None:
-        return implementation
-    return "cudnn" if _cudnn_ok(q) else "xla"
+    impl = implementation if implementation is not None else ("cudnn" if _cudnn_ok(q) else "xla")
+    return impl if m is None else impl + "_padded"
 
 
-def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implementation=None):
+def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implementation=None,
+                      max_seqlen=None):
     """Attention within each packed sequence: tokens cu_seqlens[i] ..
     cu_seqlens[i+1]-1 form sequence i. q (N, Hq, D), k, v (N, Hkv, D),
     cu_seqlens (B+1,) int32 (values; N is the static shape) -> (N, Hq, D).
     Tokens past cu_seqlens[-1] are padding: their output is 0.
 
-    Runs jax.nn.dot_product_attention on the packed batch (1, N, H, D) with a
-    block-diagonal (and causal) boolean mask built from the segment ids of
-    cu_seqlens; see prefill_path for which implementation is used."""
+    max_seqlen=None: jax.nn.dot_product_attention on the packed batch
+    (1, N, H, D) with a block-diagonal (and causal) (N, N) boolean mask built
+    from the segment ids of cu_seqlens. jax hands cuDNN a mask as a dense
+    (N, N) bias, so every block of the N x N scores is computed: slow for
+    several sequences.
+
+    max_seqlen=M (static int): the sequences are laid out as a padded batch
+    (B, M, H, D) and attended with query_seq_lengths = key_value_seq_lengths
+    = the lengths from cu_seqlens (cuDNN's padding mask: no mask tensor to
+    read, and causally the upper triangle is not computed). With N == B * M the
+    layout is a reshape, which requires sequence i to start at token i * M
+    (so all but the last sequence are exactly M long); otherwise device-side
+    gathers computed from cu_seqlens move the tokens in and out (no host
+    sync; jittable). Contract: every sequence has at most M tokens (and, with
+    N == B * M, the starts above). Eagerly a violation raises ValueError; under
+    jit it is detected on device and the whole output is NaN, never a
+    silently wrong result.
+
+    See prefill_path for which implementation is used."""
     scale = _ac.prefill_args(q, k, v, cu_seqlens, scale)
-    path = prefill_path(q, k, v, cu_seqlens, causal=causal, implementation=implementation)
+    path = prefill_path(q, k, v, cu_seqlens, causal=causal, implementation=implementation,
+                        max_seqlen=max_seqlen)
+    impl = path.removesuffix("_padded")
+    dtype = q.dtype
+    if impl == "xla" and jnp.dtype(dtype) == jnp.dtype(jnp.float16) and _platform() == "cpu":
+        # XLA:CPU has no f16 x f16 -> f32 dot_general (which jax's XLA attention
+        # emits under jit): compute in f32 there, round once at the end.
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+    if path.endswith("_padded"):
+        out = _prefill_padded(q, k, v, cu_seqlens, int(max_seqlen), causal=causal, scale=scale,
+                              implementation=impl)
+        return out.astype(dtype)
     n = q.shape[0]
     seg = segment_ids(cu_seqlens, n)
     mask = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
@@ -146,12 +180,77 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
         # Within one segment, key <= query is the causal mask; folded into the
         # mask so that both paths see the same (1, 1, N, N) mask.
         mask &= jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
-    dtype = q.dtype
-    if path == "xla" and jnp.dtype(dtype) == jnp.dtype(jnp.float16) and _platform() == "cpu":
-        # XLA:CPU has no f16 x f16 -> f32 dot_general (which jax's XLA attention
-        # emits under jit): compute in f32 there, round once at the end.
-        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
     out = jax.nn.dot_product_attention(
-        q[None], k[None], v[None], mask=mask[None, None], scale=scale, implementation=path)[0]
+        q[None], k[None], v[None], mask=mask[None, None], scale=scale, implementation=impl)[0]
     out = out.astype(dtype)
     return jnp.where((seg >= 0)[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _padded_gather_index(cu_seqlens, n: int, max_seqlen: int):
+    """(B * max_seqlen,) int32: the packed token at row j of padded sequence i,
+    flattened (i * max_seqlen + j); rows past a sequence's length (clamped to
+    [0, max_seqlen]) and indices outside [0, N) give N (out of range: filled)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    lens = jnp.clip(cu[1:] - cu[:-1], 0, max_seqlen)
+    j = jnp.arange(max_seqlen, dtype=jnp.int32)
+    src = cu[:-1, None] + j[None, :]
+    ok = (j[None, :] < lens[:, None]) & (src >= 0) & (src < n)
+    return jnp.where(ok, src, n).reshape(-1)
+
+
+def _padded_scatter_index(cu_seqlens, n: int, max_seqlen: int):
+    """(N,) int32: the padded row (i * max_seqlen + j) holding packed token t;
+    padding tokens (past cu_seqlens[-1]) and tokens past max_seqlen within
+    their sequence give B * max_seqlen (out of range: filled)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    b = cu.shape[0] - 1
+    seg = segment_ids(cu, n)
+    segc = jnp.clip(seg, 0, b - 1)
+    off = jnp.arange(n, dtype=jnp.int32) - cu[segc]
+    ok = (seg >= 0) & (off >= 0) & (off < max_seqlen)
+    return jnp.where(ok, segc * max_seqlen + off, b * max_seqlen)
+
+
+def _take_rows(x, idx):
+    """x[idx] along axis 0; out-of-range indices give zero rows."""
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+
+
+def _prefill_padded(q, k, v, cu_seqlens, m, *, causal, scale, implementation):
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    b = cu_seqlens.shape[0] - 1
+    if n == 0 or b == 0:  # no sequence: every token is padding
+        return jnp.zeros(q.shape, q.dtype)
+    cu = cu_seqlens.astype(jnp.int32)
+    lens = cu[1:] - cu[:-1]
+    bad = jnp.any((lens < 0) | (lens > m))
+    reshape = n == b * m
+    if reshape:
+        bad = bad | jnp.any(cu[:-1] != jnp.arange(b, dtype=jnp.int32) * m)
+    # Never past the padded rows, whatever cu_seqlens holds; on a violation
+    # every row is a query, so that the poison below reaches all of them.
+    lens = jnp.where(bad, m, jnp.clip(lens, 0, m))
+
+    def attend(qp, kp, vp):
+        return jax.nn.dot_product_attention(
+            qp, kp, vp, scale=scale, is_causal=causal, query_seq_lengths=lens,
+            key_value_seq_lengths=lens, implementation=implementation)
+
+    if reshape:
+        # Rows i*m .. i*m + m - 1 are sequence i: a reshape, no copy. Padding
+        # tokens (only possible at the end of the last sequence) are query rows
+        # past its length, which both implementations output as 0.
+        qp, kp, vp = (x.reshape(b, m, x.shape[1], d) for x in (q, k, v))
+        # Poison: NaN in the first V row of each sequence reaches every query
+        # row (p * NaN is NaN even for p = 0). An update of B rows, in place
+        # where v is an intermediate; a pass over the output would cost more.
+        first = jnp.where(bad, jnp.asarray(jnp.nan, vp.dtype), vp[:, :1])
+        vp = jax.lax.dynamic_update_slice_in_dim(vp, first, 0, axis=1)
+        return attend(qp, kp, vp).reshape(n, hq, d)
+    gather = _padded_gather_index(cu, n, m)
+    qp = _take_rows(q, gather).reshape(b, m, hq, d)
+    kp = _take_rows(k, gather).reshape(b, m, hkv, d)
+    vp = _take_rows(v, gather).reshape(b, m, hkv, d)
+    out = _take_rows(attend(qp, kp, vp).reshape(b * m, hq, d), _padded_scatter_index(cu, n, m))
+    return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)  # fused into the gather
