@@ -49,11 +49,15 @@ QUICK_HEADS = (4, 2, 64)
 
 def time_loop(step, q, args, calls, repeats):
     """Median seconds per call of `step(q, *args) -> q'` run `calls` times in
-    one jitted fori_loop, each call on the previous call's output."""
+    one jitted straight-line program (a Python loop: XLA's GPU while loop would
+    check its condition on the host every trip), each call on the previous
+    call's output."""
 
     @jax.jit
     def run(q, *args):
-        return jax.lax.fori_loop(0, calls, lambda i, x: step(x, *args), q)
+        for _ in range(calls):
+            q = step(q, *args)
+        return q
 
     run(q, *args).block_until_ready()  # compile + warm-up
     return statistics.median(wall_time(lambda: run(q, *args).block_until_ready()) / calls
