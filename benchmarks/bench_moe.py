@@ -112,6 +112,9 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_
     row = {"shape": name, "tokens": tokens, "H": h, "I": i, "E": e, "k": k,
            "experts_touched": float(touched), "floor_us": floor * 1e6}
     for backend, n_calls in (("ffi", calls), ("reference", ref_calls)):
+        if n_calls == 0:  # --ref-calls 0: the pure-JAX path is not timed
+            row[f"{backend}_us"] = None
+            continue
         run = make_loop(backend, k, n_calls, routing)
         try:
             run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
@@ -164,7 +167,8 @@ def main() -> None:
     p.add_argument("--tokens", nargs="*", type=int)
     p.add_argument("--calls", type=int, default=None, help="layer calls per timed loop")
     p.add_argument("--ref-calls", type=int, default=None,
-                   help="calls per timed loop of the pure-JAX path (slow at large T; default 4)")
+                   help="calls per timed loop of the pure-JAX path (slow at large T; default 4; "
+                        "0 skips it)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="bench_moe.json")
     p.add_argument("--plot", default="bench_moe.png")
@@ -175,7 +179,7 @@ def main() -> None:
         shapes = {n: shapes[n] for n in args.shapes}
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     calls = args.calls or (2 if args.quick else 20)
-    ref_calls = args.ref_calls or (2 if args.quick else 4)
+    ref_calls = args.ref_calls if args.ref_calls is not None else (2 if args.quick else 4)
     repeats = 2 if args.quick else args.repeats
     dtype = jnp.float32 if args.quick and jax.default_backend() == "cpu" else jnp.bfloat16
     measured_bw, measured_rate = measure_ceilings(args.quick)
@@ -199,7 +203,8 @@ def main() -> None:
             r = bench_case(name, shape, t, dtype, calls, ref_calls, repeats, bw, rate, rng)
             rows.append(r)
             write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
-            ref = "failed" if r["reference_us"] is None else f"{r['reference_us']:.1f}"
+            ref = ("-" if ref_calls == 0 else "failed") if r["reference_us"] is None \
+                else f"{r['reference_us']:.1f}"
             speed = "-" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:.2f}x"
             print(f"{name:<16}{t:>6}{r['floor_us']:>10.1f}{r['ffi_us']:>12.1f}"
                   f"{r['pct_of_floor']:>8.1f}%{r['tflops']:>9.1f}{ref:>13}{speed:>9}", flush=True)

@@ -36,7 +36,9 @@ if has sanitize; then  # memcheck over the small edge cases marked `sanitize`
   # costs one file, and -v / faulthandler name the test it happened in.
   (cd tests
    for f in $(grep -l "mark.sanitize" test_*.py); do
-     PYTHONPATH=$SITE JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
+     # Command buffers (CUDA graphs) off: the sanitizer then sees plain launches.
+     PYTHONPATH=$SITE JAX_PLATFORMS=cuda \
+       XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
        compute-sanitizer --tool memcheck --error-exitcode 9 \
        python3 -X faulthandler -m pytest -v -p no:cacheprovider -m sanitize "$f" > "$OUT/memcheck_$f.log" 2>&1
      echo "memcheck $f exit $?" | tee -a "$OUT/memcheck_$f.log" >> "$OUT/memcheck.log"

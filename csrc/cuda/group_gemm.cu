@@ -244,23 +244,28 @@ constexpr int kStages = 3;
 constexpr int kLds = kBK + 8;
 constexpr int kRowChunks = kBK / 8;                    // 16-byte chunks per tile row
 constexpr int kRowStep = kThreads / kRowChunks;         // rows one loader pass covers
-// Epilogue staging: each warp's (BM/2)x32 tile, already rounded, rows padded
-// to 80 bytes so the fragment-order writes are conflict-free.
-constexpr int kLdo = 32 + 8;
 
-// Shapes of the BM x 128 tensor-core tile: 2 warps along M (BM/2 rows each,
-// kMI m16 fragments), 4 along N (32 columns each).
-template <int BM>
+// Shapes of the BM x BN tensor-core tile: 2 warps along M (BM/2 rows each,
+// kMI m16 fragments), 4 along N (BN/4 columns each, kNI n8 fragments). The
+// 128 x 256 tile gives each warp 64 x 64: twice the mma work per ldmatrix of
+// the 64 x 32 warp tile (shared-memory bandwidth bound it at large M) and
+// half the re-reads of x per output.
+template <int BM, int BN>
 struct MmaTile {
   static constexpr int kWM = BM / 2;
   static constexpr int kMI = kWM / 16;
+  static constexpr int kWN = BN / 4;
+  static constexpr int kNI = kWN / 8;
+  static constexpr int kLdo = kWN + 8;        // epilogue staging row (16-byte multiple)
   static constexpr int kAElems = BM * kLds;   // one stage of x
-  static constexpr int kBElems = kBN * kLds;  // one stage of w
+  static constexpr int kBElems = BN * kLds;   // one stage of w
   static constexpr int kSmem = kStages * (kAElems + kBElems) * 2;
   static constexpr int kAPasses = (BM + kRowStep - 1) / kRowStep;
-  static constexpr int kBPasses = kBN / kRowStep;
+  static constexpr int kBPasses = BN / kRowStep;
+  static constexpr int kMinBlocks = BN > 128 ? 1 : 2;  // 64x64 warp tiles need the registers
   static_assert(BM == 32 || BM == 64 || BM == 128, "tile_m");
-  static_assert(kBPasses * kRowStep == kBN && kRowChunks * kRowStep == kThreads, "loader");
+  static_assert(BN == 128 || BN == 256, "tile_n");
+  static_assert(kBPasses * kRowStep == BN && kRowChunks * kRowStep == kThreads, "loader");
   static_assert(kWarps * kWM * kLdo * 2 <= kSmem, "epilogue staging fits the pipeline buffers");
 };
 
@@ -337,12 +342,12 @@ __device__ __forceinline__ void LoadChunk16(uint16_t* dst, const uint16_t* src, 
   }
 }
 
-template <typename T, int BM>
+template <typename T, int BM, int BN>
 __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                            uint16_t* __restrict__ out, const Tile& tile, const RowSource& src,
                            int64_t n0, int64_t n, int64_t k, bool vec_in, bool vec_out,
                            unsigned char* smem) {
-  using C = MmaTile<BM>;
+  using C = MmaTile<BM, BN>;
   uint16_t* sa = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sb = sa + kStages * C::kAElems;
   const int64_t row0 = tile.row0, row_lim = tile.row_lim;
@@ -384,19 +389,19 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wm = warp & 1;   // 2 warps along M: BM/2 rows each
-  const int wn = warp >> 1;  // 4 warps along N: 32 columns each
+  const int wn = warp >> 1;  // 4 warps along N: kWN columns each
   // ldmatrix row addresses. A (row-major 16x16): matrices (rows 0-7|8-15) x
   // (k 0-7|8-15) give a0..a3 of m16n8k16. B is stored n-major (w is N x K),
   // which is exactly the "col" operand: matrices (k 0-7, k 8-15) of n 0-7,
   // then of n 8-15, give {b0, b1} of two n8 tiles.
   const int a_off = (wm * C::kWM + (lane & 15)) * kLds + (lane >> 4) * 8;
-  const int b_off = (wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * kLds + ((lane >> 3) & 1) * 8;
+  const int b_off = (wn * C::kWN + (lane & 7) + ((lane >> 4) << 3)) * kLds + ((lane >> 3) & 1) * 8;
 
-  float acc[C::kMI][4][4];
+  float acc[C::kMI][C::kNI][4];
 #pragma unroll
   for (int i = 0; i < C::kMI; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < C::kNI; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
 
@@ -420,15 +425,15 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
     const uint16_t* tb = sb + stage * C::kBElems + b_off;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t bf[2][4];  // bf[p] = {b0, b1} of n8 tile 2p, then of 2p+1
-      Ldmatrix4(bf[0], tb + kk);
-      Ldmatrix4(bf[1], tb + 16 * kLds + kk);
+      uint32_t bf[C::kNI / 2][4];  // bf[p] = {b0, b1} of n8 tile 2p, then of 2p+1
+#pragma unroll
+      for (int p = 0; p < C::kNI / 2; ++p) Ldmatrix4(bf[p], tb + p * 16 * kLds + kk);
 #pragma unroll
       for (int i = 0; i < C::kMI; ++i) {
         uint32_t af[4];
         Ldmatrix4(af, ta + i * 16 * kLds + kk);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < C::kNI; ++j)
           Mma16816<T>(acc[i][j], af, bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
       }
     }
@@ -440,28 +445,29 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
   // Epilogue: round to the output type into a per-warp staging tile (lane
   // holds rows g, g+8 and columns 2t, 2t+1 of each 16x8 accumulator), then
   // write whole 16-byte row pieces to global memory.
-  uint16_t* st = reinterpret_cast<uint16_t*>(smem) + warp * C::kWM * kLdo;
+  uint16_t* st = reinterpret_cast<uint16_t*>(smem) + warp * C::kWM * C::kLdo;
   {
     const int g = lane >> 2, t2 = (lane & 3) * 2;
 #pragma unroll
     for (int i = 0; i < C::kMI; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint16_t* p = st + (i * 16 + g) * kLdo + j * 8 + t2;
+      for (int j = 0; j < C::kNI; ++j) {
+        uint16_t* p = st + (i * 16 + g) * C::kLdo + j * 8 + t2;
         *reinterpret_cast<uint32_t*>(p) =
             Pack2(FromFloat16<T>(acc[i][j][0]), FromFloat16<T>(acc[i][j][1]));
-        *reinterpret_cast<uint32_t*>(p + 8 * kLdo) =
+        *reinterpret_cast<uint32_t*>(p + 8 * C::kLdo) =
             Pack2(FromFloat16<T>(acc[i][j][2]), FromFloat16<T>(acc[i][j][3]));
       }
   }
   __syncwarp();
 #pragma unroll
-  for (int q = lane; q < C::kWM * 4; q += 32) {
-    const int r = q >> 2, c = (q & 3) * 8;
+  constexpr int kPieces = C::kWN / 8;  // 16-byte pieces per staged row
+  for (int q = lane; q < C::kWM * kPieces; q += 32) {
+    const int r = q / kPieces, c = (q % kPieces) * 8;
     const int64_t grow = row0 + wm * C::kWM + r;
-    const int64_t gcol = n0 + wn * 32 + c;
+    const int64_t gcol = n0 + wn * C::kWN + c;
     if (grow < row_lim && gcol < n) {
-      const uint16_t* s = st + r * kLdo + c;
+      const uint16_t* s = st + r * C::kLdo + c;
       uint16_t* dst = out + grow * n + gcol;
       if (vec_out && gcol + 8 <= n) {
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(s);
@@ -482,9 +488,10 @@ struct GemmArgs {
   RowSource src;
 };
 
-// Two blocks per SM (<= 128 registers, 2 x <= 60 KB shared memory).
-template <typename T, int BM>
-__global__ void __launch_bounds__(kThreads, 2)
+// Two blocks per SM for 128-column tiles (<= 128 registers, 2 x <= 60 KB
+// shared memory), one for 256-column tiles (64x64 warp tiles, 92 KB).
+template <typename T, int BM, int BN>
+__global__ void __launch_bounds__(kThreads, MmaTile<BM, BN>::kMinBlocks)
     GroupGemm16Kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                       const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                       GemmArgs a) {
@@ -493,11 +500,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     int64_t mslot, ntile;
     DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
     const Tile tile = FindTile<BM>(sizes, a.num_experts, a.m, mslot);
-    const int64_t n0 = ntile * kBN;
+    const int64_t n0 = ntile * BN;
     if (tile.expert < 0) {
-      ZeroTail<uint16_t, BM, kBN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
+      ZeroTail<uint16_t, BM, BN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
     } else {
-      GemmTile16<T, BM>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
+      GemmTile16<T, BM, BN>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
     }
   }
 }
@@ -764,7 +771,7 @@ inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // Opting in to more than 48 KB of dynamic shared memory is a per-device
 // function attribute, not a stream operation: do it once per device and kernel.
-template <typename T, int BM>
+template <typename T, int BM, int BN>
 cudaError_t EnsureSmem16() {
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -772,8 +779,8 @@ cudaError_t EnsureSmem16() {
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(GroupGemm16Kernel<T, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             MmaTile<BM>::kSmem);
+  err = cudaFuncSetAttribute(GroupGemm16Kernel<T, BM, BN>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, MmaTile<BM, BN>::kSmem);
   if (err == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
   return err;
 }
@@ -787,13 +794,14 @@ inline unsigned Schedule(GemmArgs& a, int64_t groups, int64_t bm, int64_t bn) {
   return static_cast<unsigned>(a.total_blocks < kMaxGrid ? a.total_blocks : kMaxGrid);
 }
 
-template <typename T, int BM>
+template <typename T, int BM, int BN>
 cudaError_t LaunchMma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
                       const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups) {
-  const cudaError_t attr = EnsureSmem16<T, BM>();
+  const cudaError_t attr = EnsureSmem16<T, BM, BN>();
   if (attr != cudaSuccess) return attr;
-  const unsigned grid = Schedule(a, groups, BM, kBN);
-  GroupGemm16Kernel<T, BM><<<grid, kThreads, MmaTile<BM>::kSmem, stream>>>(x, w, sizes, out, a);
+  const unsigned grid = Schedule(a, groups, BM, BN);
+  GroupGemm16Kernel<T, BM, BN>
+      <<<grid, kThreads, MmaTile<BM, BN>::kSmem, stream>>>(x, w, sizes, out, a);
   return cudaGetLastError();
 }
 
@@ -832,11 +840,11 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
         return cudaGetLastError();
       }
       case 32:
-        return LaunchMma<T, 32>(stream, xp, wp, sizes, op, a, d.groups);
+        return LaunchMma<T, 32, kBN>(stream, xp, wp, sizes, op, a, d.groups);
       case 64:
-        return LaunchMma<T, 64>(stream, xp, wp, sizes, op, a, d.groups);
-      default:
-        return LaunchMma<T, 128>(stream, xp, wp, sizes, op, a, d.groups);
+        return LaunchMma<T, 64, kBN>(stream, xp, wp, sizes, op, a, d.groups);
+      default:  // 128 rows: many rows per expert, compute bound; wide tiles
+        return LaunchMma<T, 128, 2 * kBN>(stream, xp, wp, sizes, op, a, d.groups);
     }
   }
 }
