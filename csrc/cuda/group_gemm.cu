@@ -460,8 +460,8 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
       }
   }
   __syncwarp();
-#pragma unroll
   constexpr int kPieces = C::kWN / 8;  // 16-byte pieces per staged row
+#pragma unroll
   for (int q = lane; q < C::kWM * kPieces; q += 32) {
     const int r = q / kPieces, c = (q % kPieces) * 8;
     const int64_t grow = row0 + wm * C::kWM + r;
@@ -843,8 +843,11 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
         return LaunchMma<T, 32, kBN>(stream, xp, wp, sizes, op, a, d.groups);
       case 64:
         return LaunchMma<T, 64, kBN>(stream, xp, wp, sizes, op, a, d.groups);
-      default:  // 128 rows: many rows per expert, compute bound; wide tiles
-        return LaunchMma<T, 128, 2 * kBN>(stream, xp, wp, sizes, op, a, d.groups);
+      default:
+        // 128 x 256 (64 x 64 warp tiles) ran correct but no faster than 128 x
+        // 128 on the H200 (run G in benchmarks/RESULTS.md): one block per SM
+        // hides less latency. MmaTile keeps the BN parameter for the next try.
+        return LaunchMma<T, 128, kBN>(stream, xp, wp, sizes, op, a, d.groups);
     }
   }
 }
