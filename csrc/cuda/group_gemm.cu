@@ -488,6 +488,25 @@ struct GemmArgs {
   RowSource src;
 };
 
+// The grid-stride loop of every GEMM kernel: block id -> (m-slot, column
+// tile), the m-slot's tile from the schedule, then either the tail zeroing
+// (spare slot) or fn(tile, n0) for a real tile.
+template <int BM, int BN, typename S, typename TileFn>
+__device__ __forceinline__ void ForEachTile(const GemmArgs& a, const int32_t* __restrict__ sizes,
+                                            S* __restrict__ out, TileFn&& fn) {
+  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
+    int64_t mslot, ntile;
+    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
+    const Tile tile = FindTile<BM>(sizes, a.num_experts, a.m, mslot);
+    const int64_t n0 = ntile * BN;
+    if (tile.expert < 0) {
+      ZeroTail<S, BM, BN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
+    } else {
+      fn(tile, n0);
+    }
+  }
+}
+
 // Two blocks per SM for 128-column tiles (<= 128 registers, 2 x <= 60 KB
 // shared memory), one for 256-column tiles (64x64 warp tiles, 92 KB).
 template <typename T, int BM, int BN>
@@ -496,17 +515,9 @@ __global__ void __launch_bounds__(kThreads, MmaTile<BM, BN>::kMinBlocks)
                       const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                       GemmArgs a) {
   extern __shared__ __align__(128) unsigned char smem16[];
-  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
-    int64_t mslot, ntile;
-    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
-    const Tile tile = FindTile<BM>(sizes, a.num_experts, a.m, mslot);
-    const int64_t n0 = ntile * BN;
-    if (tile.expert < 0) {
-      ZeroTail<uint16_t, BM, BN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
-    } else {
-      GemmTile16<T, BM, BN>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
-    }
-  }
+  ForEachTile<BM, BN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    GemmTile16<T, BM, BN>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -620,17 +631,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     GroupGemmSkinnyKernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                           const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                           GemmArgs a) {
-  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
-    int64_t mslot, ntile;
-    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
-    const Tile tile = FindTile<kSR>(sizes, a.num_experts, a.m, mslot);
-    const int64_t n0 = ntile * kSBN;
-    if (tile.expert < 0) {
-      ZeroTail<uint16_t, kSR, kSBN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
-    } else {
-      SkinnyTile<T>(x, w, out, tile, a.src, n0, a.n, a.k);
-    }
-  }
+  ForEachTile<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    SkinnyTile<T>(x, w, out, tile, a.src, n0, a.n, a.k);
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -750,17 +753,9 @@ __device__ void GemmTileF32(const float* __restrict__ x, const float* __restrict
 __global__ void __launch_bounds__(kThreads, 2)
     GroupGemmF32Kernel(const float* __restrict__ x, const float* __restrict__ w,
                        const int32_t* __restrict__ sizes, float* __restrict__ out, GemmArgs a) {
-  for (int64_t id = blockIdx.x; id < a.total_blocks; id += gridDim.x) {
-    int64_t mslot, ntile;
-    DecodeBlock(id, a.mslots, a.ntiles, &mslot, &ntile);
-    const Tile tile = FindTile<kBMf>(sizes, a.num_experts, a.m, mslot);
-    const int64_t n0 = ntile * kBN;
-    if (tile.expert < 0) {
-      ZeroTail<float, kBMf, kBN>(out, tile, mslot, a.mslots, n0, a.n, a.m, a.vec_out);
-    } else {
-      GemmTileF32(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out);
-    }
-  }
+  ForEachTile<kBMf, kBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    GemmTileF32(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out);
+  });
 }
 
 // ---------------------------------------------------------------------------
