@@ -298,16 +298,22 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
   // Loop conditions depend on ntok only: uniform over the block.
+  // Double-buffered walk over the split's tokens: buffer 1 (rb/ob) of step
+  // s + 1 is in flight during the math on buffer 0 (ra/oa) of step s, and so
+  // on. The caller has issued buffer 0 of step 0.
+  auto walk = [&](const T* __restrict__ cache, auto&& use) {
+    for (int base = 0; base < ntok; base += 2 * kStep) {
+      if (base + kStep < ntok)
+        LoadRows<L, kUnroll>(cache, slot_of, ntok, base + kStep, grp, lane, row, col, rb, ob);
+      use(base, ra, oa);
+      if (base + kStep >= ntok) break;
+      if (base + 2 * kStep < ntok)
+        LoadRows<L, kUnroll>(cache, slot_of, ntok, base + 2 * kStep, grp, lane, row, col, ra, oa);
+      use(base + kStep, rb, ob);
+    }
+  };
   LoadRows<L, kUnroll>(kc, slot_of, ntok, 0, grp, lane, row, col, ra, oa);
-  for (int base = 0; base < ntok; base += 2 * kStep) {
-    if (base + kStep < ntok)
-      LoadRows<L, kUnroll>(kc, slot_of, ntok, base + kStep, grp, lane, row, col, rb, ob);
-    score(base, ra, oa);
-    if (base + kStep >= ntok) break;
-    if (base + 2 * kStep < ntok)
-      LoadRows<L, kUnroll>(kc, slot_of, ntok, base + 2 * kStep, grp, lane, row, col, ra, oa);
-    score(base + kStep, rb, ob);
-  }
+  walk(kc, score);
   __syncthreads();  // scores complete
 
   // The first V rows do not depend on the softmax: their loads go out now.
@@ -361,15 +367,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
     }
   };
-  for (int base = 0; base < ntok; base += 2 * kStep) {
-    if (base + kStep < ntok)
-      LoadRows<L, kUnroll>(vc, slot_of, ntok, base + kStep, grp, lane, row, col, rb, ob);
-    accumulate(base, ra, oa);
-    if (base + kStep >= ntok) break;
-    if (base + 2 * kStep < ntok)
-      LoadRows<L, kUnroll>(vc, slot_of, ntok, base + 2 * kStep, grp, lane, row, col, ra, oa);
-    accumulate(base + kStep, rb, ob);
-  }
+  walk(vc, accumulate);  // buffer 0 of step 0 went out before the softmax
 
   // The token groups of a warp combine by xor shuffles, the warps through
   // shared memory in warp order.
