@@ -24,25 +24,15 @@ NB_MODULE(_jax_moe, m) {
   m.def("registrations", []() {
     nb::dict platforms;
     nb::dict cpu;
-    cpu["jax_moe_topk_softmax"] = Capsule(kTopkSoftmaxCpu);
-    cpu["jax_moe_token_index"] = Capsule(kTokenIndexCpu);
-    cpu["jax_moe_expand"] = Capsule(kExpandCpu);
-    cpu["jax_moe_group_gemm"] = Capsule(kGroupGemmCpu);
-    cpu["jax_moe_gated_act"] = Capsule(kGatedActCpu);
-    cpu["jax_moe_combine"] = Capsule(kCombineCpu);
-    cpu["jax_moe_write_kv"] = Capsule(kWriteKvCpu);
-    cpu["jax_moe_paged_decode"] = Capsule(kPagedDecodeCpu);
+#define JAX_MOE_ADD_CPU(name, stem) cpu[name] = Capsule(k##stem##Cpu);
+    JAX_MOE_TARGETS(JAX_MOE_ADD_CPU)
+#undef JAX_MOE_ADD_CPU
     platforms["cpu"] = cpu;
 #ifdef JAX_MOE_WITH_CUDA
     nb::dict cuda;
-    cuda["jax_moe_topk_softmax"] = Capsule(kTopkSoftmaxCuda);
-    cuda["jax_moe_token_index"] = Capsule(kTokenIndexCuda);
-    cuda["jax_moe_expand"] = Capsule(kExpandCuda);
-    cuda["jax_moe_group_gemm"] = Capsule(kGroupGemmCuda);
-    cuda["jax_moe_gated_act"] = Capsule(kGatedActCuda);
-    cuda["jax_moe_combine"] = Capsule(kCombineCuda);
-    cuda["jax_moe_write_kv"] = Capsule(kWriteKvCuda);
-    cuda["jax_moe_paged_decode"] = Capsule(kPagedDecodeCuda);
+#define JAX_MOE_ADD_CUDA(name, stem) cuda[name] = Capsule(k##stem##Cuda);
+    JAX_MOE_TARGETS(JAX_MOE_ADD_CUDA)
+#undef JAX_MOE_ADD_CUDA
     platforms["CUDA"] = cuda;
 #endif
     return platforms;

@@ -8,29 +8,28 @@
 
 namespace jax_moe {
 
-#define JAX_MOE_DECLARE(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(name)
+// Every FFI target once: X(python target name, handler stem). Each op family
+// defines k<stem>Cpu in csrc/cpu/ and k<stem>Cuda in csrc/cuda/; module.cc
+// registers both from this list.
+#define JAX_MOE_TARGETS(X)                 \
+  X("jax_moe_topk_softmax", TopkSoftmax)   \
+  X("jax_moe_token_index", TokenIndex)     \
+  X("jax_moe_expand", Expand)              \
+  X("jax_moe_group_gemm", GroupGemm)       \
+  X("jax_moe_gated_act", GatedAct)         \
+  X("jax_moe_combine", Combine)            \
+  X("jax_moe_write_kv", WriteKv)           \
+  X("jax_moe_paged_decode", PagedDecode)
 
-JAX_MOE_DECLARE(kTopkSoftmaxCpu);
-JAX_MOE_DECLARE(kTokenIndexCpu);
-JAX_MOE_DECLARE(kExpandCpu);
-JAX_MOE_DECLARE(kCombineCpu);
-JAX_MOE_DECLARE(kGroupGemmCpu);
-JAX_MOE_DECLARE(kGatedActCpu);
-JAX_MOE_DECLARE(kWriteKvCpu);
-JAX_MOE_DECLARE(kPagedDecodeCpu);
+#define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
+JAX_MOE_TARGETS(JAX_MOE_DECLARE_CPU)
+#undef JAX_MOE_DECLARE_CPU
 
 #ifdef JAX_MOE_WITH_CUDA
-JAX_MOE_DECLARE(kTopkSoftmaxCuda);
-JAX_MOE_DECLARE(kTokenIndexCuda);
-JAX_MOE_DECLARE(kExpandCuda);
-JAX_MOE_DECLARE(kCombineCuda);
-JAX_MOE_DECLARE(kGroupGemmCuda);
-JAX_MOE_DECLARE(kGatedActCuda);
-JAX_MOE_DECLARE(kWriteKvCuda);
-JAX_MOE_DECLARE(kPagedDecodeCuda);
+#define JAX_MOE_DECLARE_CUDA(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cuda);
+JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
+#undef JAX_MOE_DECLARE_CUDA
 #endif
-
-#undef JAX_MOE_DECLARE
 
 #ifdef JAX_MOE_WITH_CUDA
 // The hardware descriptor (csrc/cuda/device_info.cu).

@@ -23,6 +23,17 @@ dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
 
 
+def test_every_target_registered_for_every_built_platform():
+    from jax_moe._ffi import HAS_CUDA, _ext
+    regs = _ext.registrations()
+    want = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expand",
+            "jax_moe_group_gemm", "jax_moe_gated_act", "jax_moe_combine",
+            "jax_moe_write_kv", "jax_moe_paged_decode"}
+    assert set(regs) == ({"cpu", "CUDA"} if HAS_CUDA else {"cpu"})
+    for platform, targets in regs.items():
+        assert set(targets) == want, platform
+
+
 def test_host_platform_has_eight_devices():
     # conftest.py sets --xla_force_host_platform_device_count=8 for shard_map tests.
     assert len(jax.devices("cpu")) == 8

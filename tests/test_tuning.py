@@ -48,7 +48,9 @@ def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
 
 
 def test_shipped_tables_are_well_formed():
-    for path in tuning._TABLE_DIR.glob("*.json"):
+    paths = sorted(tuning._TABLE_DIR.glob("*.json"))
+    assert tuning._TABLE_DIR / "NVIDIA_H200.json" in paths  # installed with the package
+    for path in paths:
         data = json.loads(path.read_text())
         assert data["device"] and data["group_gemm"], path
         for key, entries in data["group_gemm"].items():
@@ -66,3 +68,22 @@ def test_hardware_descriptor():
     assert hw["sm_count"] > 0 and hw["l2_bytes"] > 0 and hw["smem_per_block_optin"] >= 48 * 1024
     assert hw["compute_capability"][0] >= 8
     assert hw["name"]
+
+
+def test_tune_needs_a_gpu(capsys):
+    if ON_GPU:
+        pytest.skip("on a GPU this would tune (minutes)")
+    from jax_moe import tune
+    assert tune.main(["--shapes", "qwen3_30b_a3b", "--tokens", "1"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_malformed_table_raises_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+    (tmp_path / "Broken_GPU.json").write_text('{"group_gemm": {"bfloat16/E8/N8/K8": [[16, 48]]}}')
+    tuning.load_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="Broken_GPU.json"):
+            tuning.load_table("Broken GPU")
+    finally:
+        tuning.load_table.cache_clear()
