@@ -8,7 +8,20 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__CUDACC__)
+#define JAX_MOE_HOST_DEVICE __host__ __device__
+#else
+#define JAX_MOE_HOST_DEVICE
+#endif
+
 namespace jax_moe {
+
+// Step 3's rule, shared by expand and the gathering GEMM on both platforms:
+// the token row that a dst_to_src entry s names (s / topk), or -1 (a zero
+// row) when s is outside [0, limit), limit = tokens * topk.
+JAX_MOE_HOST_DEVICE inline int64_t ExpandSourceRow(int64_t s, int64_t topk, int64_t limit) {
+  return s >= 0 && s < limit ? s / topk : -1;
+}
 
 namespace ffi = xla::ffi;
 

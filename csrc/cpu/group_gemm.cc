@@ -42,11 +42,7 @@ void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes, const
     wf.resize(n * k);
     for (int64_t i = 0; i < n * k; ++i) wf[i] = S::Load(w[e * n * k + i]);
     for (int64_t r = row; r < row + count; ++r) {
-      int64_t src = r;
-      if (rows != nullptr) {
-        const int64_t s = rows[r];
-        src = s >= 0 && s < d.x_rows * topk ? s / topk : -1;
-      }
+      const int64_t src = rows != nullptr ? ExpandSourceRow(rows[r], topk, d.x_rows * topk) : r;
       for (int64_t c = 0; c < k; ++c) xf[c] = src >= 0 ? S::Load(x[src * k + c]) : 0.f;
       for (int64_t c = 0; c < n; ++c)
         out[r * n + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));

@@ -24,9 +24,9 @@ ffi::Error ExpandCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> dst_to_src,
   const int32_t* d2s = dst_to_src.typed_data();
   const int64_t limit = tokens * topk;
   for (int64_t i = 0; i < m; ++i) {
-    int64_t s = d2s[i];
-    if (s >= 0 && s < limit) {
-      std::memcpy(dst + i * row_bytes, src + (s / topk) * row_bytes, row_bytes);
+    const int64_t t = ExpandSourceRow(d2s[i], topk, limit);
+    if (t >= 0) {
+      std::memcpy(dst + i * row_bytes, src + t * row_bytes, row_bytes);
     } else {
       std::memset(dst + i * row_bytes, 0, row_bytes);
     }

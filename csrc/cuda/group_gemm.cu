@@ -223,9 +223,7 @@ struct RowSource {
   int64_t topk;
   int64_t limit;        // x_rows * topk: valid gather entries are [0, limit)
   __device__ __forceinline__ int64_t Row(int64_t r) const {
-    if (rows == nullptr) return r;
-    const int64_t s = rows[r];
-    return s >= 0 && s < limit ? s / topk : -1;
+    return rows == nullptr ? r : ExpandSourceRow(rows[r], topk, limit);
   }
 };
 
