@@ -14,6 +14,17 @@ def wall_time(fn) -> float:
     return time.perf_counter() - start
 
 
+def chain(body, calls: int, x):
+    """x = body(i, x) for i in range(calls), unrolled in Python: inside jax.jit
+    a straight-line program. lax.fori_loop would make an XLA while loop, whose
+    GPU version checks its condition on the host every trip, a fixed cost per
+    call that is not the work being timed. The calls still run back to back on
+    the device, each on the previous one's output, with no host sync."""
+    for i in range(calls):
+        x = body(i, x)
+    return x
+
+
 def write_json(path, meta, rows) -> None:
     """{"meta": ..., "rows": [...]} to path; nothing when path is empty."""
     if path:

@@ -33,7 +33,7 @@ from datetime import date
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import pyplot, wall_time, write_json
+from _bench_common import chain, pyplot, wall_time, write_json
 
 from jax_moe import attention
 
@@ -49,15 +49,12 @@ QUICK_HEADS = (4, 2, 64)
 
 def time_loop(step, q, args, calls, repeats):
     """Median seconds per call of `step(q, *args) -> q'` run `calls` times in
-    one jitted straight-line program (a Python loop: XLA's GPU while loop would
-    check its condition on the host every trip), each call on the previous
-    call's output."""
+    one jitted straight-line program (_bench_common.chain), each call on the
+    previous call's output."""
 
     @jax.jit
     def run(q, *args):
-        for _ in range(calls):
-            q = step(q, *args)
-        return q
+        return chain(lambda i, x: step(x, *args), calls, q)
 
     run(q, *args).block_until_ready()  # compile + warm-up
     return statistics.median(wall_time(lambda: run(q, *args).block_until_ready()) / calls

@@ -21,16 +21,14 @@ from datetime import date
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import pyplot, wall_time, write_json
+from _bench_common import chain, pyplot, wall_time, write_json
 
 import jax_moe
 
 SHAPES = {  # name: (H, I, E, k)
-    "qwen3_30b_a3b": (2048, 768, 128, 8),
-    "qwen3_235b_a22b": (4096, 1536, 128, 8),
-    "mixtral_8x7b": (4096, 14336, 8, 2),
-    "deepseek_v3": (7168, 2048, 256, 8),
-    "deepseek_v3_routed": (7168, 2048, 256, 8),  # with DeepSeek-V3's own routing (ROUTING)
+    **jax_moe.tuning.MODEL_SHAPES,
+    # with DeepSeek-V3's own routing (ROUTING)
+    "deepseek_v3_routed": jax_moe.tuning.MODEL_SHAPES["deepseek_v3"],
 }
 # Routing other than plain softmax top-k + renormalize, by shape name.
 ROUTING = {
@@ -71,21 +69,16 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
 
 
 def make_loop(backend: str, topk: int, calls: int, routing: dict):
-    """`calls` layer calls in one jitted program; call i routes with
-    logits[i % R] and takes the previous call's output as its input.
-
-    A Python loop, so the program is straight-line: XLA's GPU while loop
-    (lax.fori_loop) checks its condition on the host every trip, a fixed
-    overhead per call that is not the layer's. The calls still run back to
-    back on the device with no host sync between them."""
+    """`calls` layer calls in one jitted straight-line program (see
+    _bench_common.chain); call i routes with logits[i % R] and takes the
+    previous call's output as its input."""
 
     @jax.jit
     def run(x, logits, w13, w2, bias):
-        h = x
-        for i in range(calls):
-            h = jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk,
-                                    backend=backend, e_score_correction_bias=bias, **routing)
-        return h
+        def body(i, h):
+            return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk,
+                                       backend=backend, e_score_correction_bias=bias, **routing)
+        return chain(body, calls, x)
 
     return run
 

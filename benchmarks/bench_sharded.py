@@ -77,17 +77,15 @@ from datetime import date  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _bench_common import wall_time, write_json  # noqa: E402
+from _bench_common import chain, wall_time, write_json  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe  # noqa: E402
 from jax_moe import parallel  # noqa: E402
 
-SHAPES = {  # name: (H, I, E, k)
-    "qwen3_235b_a22b": (4096, 1536, 128, 8),
-    "deepseek_v3": (7168, 2048, 256, 8),
-}
+SHAPES = {n: jax_moe.tuning.MODEL_SHAPES[n]  # name: (H, I, E, k)
+          for n in ("qwen3_235b_a22b", "deepseek_v3")}
 TOKENS = (128, 1024, 8192)  # per device
 QUICK_SHAPES = {"tiny": (64, 32, 8, 2)}
 QUICK_TOKENS = (1, 16, 100)
@@ -102,15 +100,6 @@ def factor_pairs(n, experts, inter):
     """(ep, tp) with ep * tp = n, E % ep == 0, I % tp == 0; ep first, largest first."""
     return [(ep, n // ep) for ep in range(n, 0, -1)
             if n % ep == 0 and experts % ep == 0 and inter % (n // ep) == 0]
-
-
-def _repeat(body, calls, x):
-    """body(i, x) applied `calls` times in a Python loop: a straight-line
-    program (XLA's GPU while loop would check its condition on the host per
-    trip, as bench_moe.py explains)."""
-    for i in range(calls):
-        x = body(i, x)
-    return x
 
 
 def timed(run, args, calls, repeats) -> float:
@@ -150,7 +139,7 @@ def single_loop(topk, calls):
     def run(x, logits, w13, w2):
         def body(i, h):
             return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk)
-        return _repeat(body, calls, x)
+        return chain(body, calls, x)
     return run
 
 
@@ -160,7 +149,7 @@ def sharded_loop(mesh, strategy, topk, calls):
         def body(i, h):
             return jax_moe.moe_forward_sharded(h, logits[i % logits.shape[0]], w13, w2, topk,
                                                mesh=mesh, strategy=strategy)
-        return _repeat(body, calls, x)
+        return chain(body, calls, x)
     return run
 
 
@@ -190,7 +179,7 @@ def expert_loop(plan, calls):
         def body(i, h):
             r = i % logits.shape[0]
             return step(h, logits[r], w_pre[r], id_pre[r], w13, w2)
-        return _repeat(body, calls, xg)
+        return chain(body, calls, xg)
     return run
 
 

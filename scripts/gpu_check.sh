@@ -58,7 +58,7 @@ done
 if has tune; then
   mkdir -p "$OUT/tuning"
   PYTHONPATH=$SITE timeout "${TUNE_SECONDS:-240}" python3 -m jax_moe.tune \
-    --out "$OUT/tuning/$(python3 -c 'import jax; print("".join(c if c.isalnum() else "_" for c in jax.devices()[0].device_kind))').json" \
+    --out "$OUT/tuning/$(PYTHONPATH=$SITE python3 -c 'import jax; from jax_moe import tuning; print(tuning.table_file_name(jax.devices()[0].device_kind))')" \
     ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
   echo "=== tune (exit $?)"; tail -60 "$OUT/tune.log"
   export JAX_MOE_TUNING_DIR=$OUT/tuning

@@ -25,12 +25,7 @@ import jax.numpy as jnp
 
 from jax_moe import ops, reference, tuning
 
-SHAPES = {  # name: (H, I, E, k), as in benchmarks/bench_moe.py
-    "qwen3_30b_a3b": (2048, 768, 128, 8),
-    "qwen3_235b_a22b": (4096, 1536, 128, 8),
-    "mixtral_8x7b": (4096, 14336, 8, 2),
-    "deepseek_v3": (7168, 2048, 256, 8),
-}
+SHAPES = tuning.MODEL_SHAPES  # name: (H, I, E, k)
 TOKENS = (1, 16, 128, 1024, 8192)
 ROUTINGS = 4
 
@@ -108,7 +103,7 @@ def main(argv=None) -> int:
             table[tkey] = entries
             timings[tkey] = per_m
             del w
-    out = pathlib.Path(args.out or tuning._file_name(dev.device_kind))
+    out = pathlib.Path(args.out or tuning.table_file_name(dev.device_kind))
     data = {"device": dev.device_kind, "date": datetime.date.today().isoformat(),
             "jax": jax.__version__, "hardware": tuning.hardware(),
             "group_gemm": table, "timings_us": timings}

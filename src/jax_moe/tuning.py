@@ -28,9 +28,17 @@ from jax_moe import _checks
 from jax_moe._ffi import _ext
 
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
-           "table_key", "TILE_M"]
+           "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES"]
 
 TILE_M = _checks.TILE_M
+# (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
+# cover: hidden size, expert intermediate size, experts, top-k.
+MODEL_SHAPES = {
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "qwen3_235b_a22b": (4096, 1536, 128, 8),
+    "mixtral_8x7b": (4096, 14336, 8, 2),
+    "deepseek_v3": (7168, 2048, 256, 8),
+}
 _TABLE_DIR = pathlib.Path(__file__).with_name("tuning_tables")
 
 
@@ -62,7 +70,8 @@ def table_key(experts: int, n: int, k: int, dtype) -> str:
     return f"{jnp.dtype(dtype).name}/E{experts}/N{n}/K{k}"
 
 
-def _file_name(device_kind: str) -> str:
+def table_file_name(device_kind: str) -> str:
+    """The table's file name for a GPU model: "NVIDIA H200" -> "NVIDIA_H200.json"."""
     return "".join(c if c.isalnum() else "_" for c in device_kind) + ".json"
 
 
@@ -70,7 +79,7 @@ def table_path(device_kind: str) -> pathlib.Path:
     """Where the table of a GPU model lives (``JAX_MOE_TUNING_DIR`` overrides
     the directory shipped with the package)."""
     root = pathlib.Path(os.environ.get("JAX_MOE_TUNING_DIR", _TABLE_DIR))
-    return root / _file_name(device_kind)
+    return root / table_file_name(device_kind)
 
 
 @functools.cache
