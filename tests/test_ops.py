@@ -382,8 +382,7 @@ def test_group_gemm_tiles(rng, shape, pattern, tile_m, dtype):
 
 def _gather_rows(rng, tokens, topk, experts, extra_invalid=True):
     """dst_to_src of a random routing, plus -1 and out-of-range entries."""
-    ids = jnp.asarray(np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]),
-                      jnp.int32)
+    ids = jnp.asarray(random_ids(rng, tokens, topk, experts))
     _, dst_to_src, sizes = ref.moe_compute_token_index(ids, num_experts=experts)
     d2s = np.asarray(dst_to_src).copy()
     if extra_invalid and d2s.size >= 3:
