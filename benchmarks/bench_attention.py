@@ -183,6 +183,24 @@ def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
         except Exception as exc:  # noqa: BLE001 - cuDNN may refuse a shape: recorded
             _failed(f"prefill {case} dense {impl}", exc)
             row(f"dense padded {impl}", None)
+    if on_gpu:
+        # cuDNN's own cost of sequence lengths (all full here): what the
+        # max_seqlen path adds to dense cuDNN before any of its own work.
+        lens = jnp.full((b,), per, jnp.int32)
+
+        def dense_lengths(x, k, v, lens):
+            o = jax.nn.dot_product_attention(
+                x.reshape(b, per, hq, d), k.reshape(b, per, hkv, d), v.reshape(b, per, hkv, d),
+                is_causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens,
+                implementation="cudnn")
+            return o.reshape(s, hq, d)
+        try:
+            sec = time_loop(dense_lengths, q, (k, v, lens), calls, repeats)
+            row("dense padded cudnn + seq lengths", sec,
+                max_err(jax.jit(dense_lengths)(q, k, v, lens), want))
+        except Exception as exc:  # noqa: BLE001 - recorded
+            _failed(f"prefill {case} dense cudnn + seq lengths", exc)
+            row("dense padded cudnn + seq lengths", None)
 
     # The packed batch three ways on the default implementation: the (N, N)
     # segment mask; max_seqlen = S/B (N == B * max_seqlen: a reshape into the

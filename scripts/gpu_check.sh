@@ -5,6 +5,9 @@
 # example, and the benchmarks (cut off after BENCH_SECONDS; they save JSON
 # after every case). Logs go to $OUT (or ./gpu_out when run by hand).
 #   bash scripts/gpu_check.sh [build] [test] [sanitize] [tune] [example] [bench] [attn]
+# Knobs: TESTS (pytest targets of `test`, default the whole suite),
+# SANITIZE_FILES (test files of `sanitize`, default every file with `sanitize`
+# marks), SANITIZE_TOOLS (default "memcheck"; e.g. "memcheck racecheck").
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -26,7 +29,7 @@ fi
 
 pids=()
 if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend for GPU-vs-CPU tests)
-  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda python3 -m pytest -q -n 8 -p no:cacheprovider . \
+  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-.} \
      > "$OUT/pytest_gpu.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_gpu.log") &
   pids+=($!)
 fi
@@ -35,14 +38,16 @@ if has sanitize; then  # memcheck over the small edge cases marked `sanitize`
   # process (segfault, no report) in the middle of a run; this way a crash
   # costs one file, and -v / faulthandler name the test it happened in.
   (cd tests
-   for f in $(grep -l "mark.sanitize" test_*.py); do
-     # Command buffers (CUDA graphs) off: the sanitizer then sees plain launches.
-     PYTHONPATH=$SITE JAX_PLATFORMS=cuda \
-       XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
-       compute-sanitizer --tool memcheck --error-exitcode 9 \
-       python3 -X faulthandler -m pytest -v -p no:cacheprovider -m sanitize "$f" > "$OUT/memcheck_$f.log" 2>&1
-     echo "memcheck $f exit $?" | tee -a "$OUT/memcheck_$f.log" >> "$OUT/memcheck.log"
-     grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_$f.log" | tail -2 >> "$OUT/memcheck.log"
+   for f in ${SANITIZE_FILES:-$(grep -l "mark.sanitize" test_*.py)}; do
+     for tool in ${SANITIZE_TOOLS:-memcheck}; do
+       # Command buffers (CUDA graphs) off: the sanitizer then sees plain launches.
+       PYTHONPATH=$SITE JAX_PLATFORMS=cuda \
+         XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+         compute-sanitizer --tool $tool --error-exitcode 9 \
+         python3 -X faulthandler -m pytest -v -p no:cacheprovider -m sanitize "$f" > "$OUT/${tool}_$f.log" 2>&1
+       echo "$tool $f exit $?" | tee -a "$OUT/${tool}_$f.log" >> "$OUT/memcheck.log"
+       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}_$f.log" | tail -2 >> "$OUT/memcheck.log"
+     done
    done
    grep -q "exit [^0]" "$OUT/memcheck.log" && echo "memcheck exit 1" >> "$OUT/memcheck.log" \
      || echo "memcheck exit 0" >> "$OUT/memcheck.log") &

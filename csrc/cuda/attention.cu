@@ -4,13 +4,14 @@
 // Decode runs in two kernels, both with fixed reduction orders (bitwise
 // reproducible run to run):
 //  1. DecodeSplitKernel: one block per (batch b, kv head, chunk of up to 8
-//     query heads of its GQA group, split of kDecodeSplitTokens tokens). One
-//     pass over the split's K rows scores all the chunk's heads, one pass over
-//     its V rows accumulates them (K/V read once, not once per head; 16-byte
-//     loads, several in flight per lane). Per head: the split's max m and sum l
-//     of exp(score - m) and the unnormalised sum of exp(score - m) * V, written
-//     to the scratch outputs part_stats (B, Hq, S, 2) and part_out (B, Hq, S, D).
-//     No allocation: the scratch is an extra output of the custom call.
+//     query heads of its GQA group, split of kDecodeSplitTokens tokens). Each
+//     warp streams tiles of the split's K and V rows through a cp.async ring
+//     in shared memory and keeps an online softmax for all the chunk's heads
+//     (K/V read once, not once per head); the warps merge in order. Per head:
+//     the split's max m and sum l of exp(score - m) and the unnormalised sum
+//     of exp(score - m) * V, written to the scratch outputs part_stats
+//     (B, Hq, S, 2) and part_out (B, Hq, S, D). No allocation: the scratch is
+//     an extra output of the custom call.
 //  2. DecodeCombineKernel: one block per (b, query head); merges the splits
 //     holding tokens, in split order.
 // Semantics are those of the CPU handler (csrc/cpu/attention.cc): lengths are
@@ -100,10 +101,22 @@ constexpr int kSplit = static_cast<int>(kDecodeSplitTokens);
 // Query heads one block handles (a larger GQA group is spread over blocks;
 // each block then re-reads the split, mostly from L2).
 constexpr int kMaxHeadsPerBlock = 8;
+// Each warp streams its own tiles of K and V rows through a ring of kStages
+// shared-memory stages filled by cp.async: kStageBytes of K and as many of V
+// per stage, so kStages - 1 tiles (12 KB per warp with the values below) are
+// in flight while the warp computes on one. Register loads could not keep
+// enough bytes in flight to cover HBM latency at full bandwidth.
+constexpr int kStageBytes = 2048;
+constexpr int kStages = 3;
+constexpr int kStageVecs = kStageBytes / 16;               // 16-byte chunks per stage and tensor
+constexpr int kStageLoads = kStageVecs / 32;               // cp.async per lane, stage and tensor
+constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kStageBytes;
+constexpr int kDecodeSmem = kRingBytes + kSplit * static_cast<int>(sizeof(int64_t));
 
-// Lane layout of one K/V row of D elements of type T: kVec elements per 16-byte
-// chunk, kTpt lanes per token (a power of two <= 32, aligned inside a warp),
-// kCpl chunks (kEpl elements) per lane, kGroups tokens side by side.
+// Lane layout of a warp over K/V rows of D elements of type T: kVec elements
+// per 16-byte chunk, kTpt lanes per token (a power of two <= 32), kCpl chunks
+// (kEpl elements) per lane, kTpp tokens per pass of the warp, kTile tokens per
+// stage (kPasses passes).
 template <typename T, int D>
 struct RowLayout {
   static constexpr int kVec = 16 / sizeof(T);
@@ -111,19 +124,16 @@ struct RowLayout {
   static constexpr int kTpt = kChunks < 32 ? kChunks : 32;
   static constexpr int kCpl = kChunks / kTpt;
   static constexpr int kEpl = kCpl * kVec;
-  static constexpr int kGroups = kDecodeThreads / kTpt;
+  static constexpr int kTpp = 32 / kTpt;
+  static constexpr int kTile = kStageBytes / (D * static_cast<int>(sizeof(T)));
+  static constexpr int kPasses = kTile / kTpp;
   static_assert(kChunks % kTpt == 0 && (kTpt & (kTpt - 1)) == 0 && 32 % kTpt == 0, "layout");
+  static_assert(kTile >= kTpp && kTile % kTpp == 0 && kSplit % kTile == 0, "tile");
 };
 
 __device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ __forceinline__ float WarpSum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
@@ -146,29 +156,6 @@ __device__ __forceinline__ int64_t ClampLength(int32_t len, int64_t max_tokens) 
   return l < 0 ? 0 : (l > max_tokens ? max_tokens : l);
 }
 
-// Issues the loads of this lane's chunks of the rows of tokens
-// base + u * kGroups + grp (u < U) of one kv head; tokens past ntok or
-// skipped (slot -1) read as zeros and get ok[u] = false.
-template <typename L, int U, typename T>
-__device__ __forceinline__ void LoadRows(const T* __restrict__ cache,
-                                         const int64_t* __restrict__ slot_of, int ntok, int base,
-                                         int grp, int lane, int64_t row, int64_t col,
-                                         uint4 (&raw)[U][L::kCpl], bool (&ok)[U]) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int i = base + u * L::kGroups + grp;
-    const int64_t slot = i < ntok ? slot_of[i] : -1;
-    ok[u] = slot >= 0;
-#pragma unroll
-    for (int c = 0; c < L::kCpl; ++c) {
-      raw[u][c] = make_uint4(0u, 0u, 0u, 0u);
-      if (slot >= 0)
-        raw[u][c] = __ldg(reinterpret_cast<const uint4*>(cache + slot * row + col +
-                                                         (c * L::kTpt + lane) * L::kVec));
-    }
-  }
-}
-
 template <ffi::DataType DT>
 __device__ __forceinline__ void Unpack(const uint4& raw,
                                        float (&f)[16 / sizeof(typename DevScalar<DT>::T)]) {
@@ -178,13 +165,16 @@ __device__ __forceinline__ void Unpack(const uint4& raw,
   for (int x = 0; x < static_cast<int>(16 / sizeof(T)); ++x) f[x] = DevScalar<DT>::Load(v[x]);
 }
 
-// grid (batch * hkv * head_chunks, num_splits), kDecodeThreads threads. A block
-// takes GC query heads of one GQA group (h0 .. h0 + ng - 1, all reading kv head
-// kvh) over one split of kSplit tokens: one pass over the split's K rows gives
-// the scores of all its heads, one pass over the V rows their outputs, so K and
-// V are read once per block, not once per head. Per head it writes the split's
-// max m and sum l of exp(score - m) (part_stats) and the unnormalised sum of
-// exp(score - m) * V (part_out). All sums run in a fixed order.
+// grid (batch * hkv * head_chunks, num_splits), kDecodeThreads threads,
+// kDecodeSmem bytes of dynamic shared memory. A block takes GC query heads of
+// one GQA group (h0 .. h0 + ng - 1, all reading kv head kvh) over one split of
+// kSplit tokens, so K and V are read once per block, not once per head. The
+// split's tiles of kTile tokens go round-robin to the warps; each warp keeps
+// an online softmax (running max m, sum l, unnormalised output) per head over
+// its tiles, and the warps are merged in warp order at the end. Per head the
+// block writes the split's max M and sum L of exp(score - M) (part_stats) and
+// the unnormalised sum of exp(score - M) * V (part_out). All sums run in a
+// fixed order (bitwise reproducible run to run).
 template <ffi::DataType DT, int D, int GC>
 __global__ void __launch_bounds__(kDecodeThreads)
     DecodeSplitKernel(const typename DevScalar<DT>::T* __restrict__ q,
@@ -199,24 +189,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
   using T = typename S::T;
   using L = RowLayout<T, D>;
   constexpr int kVec = L::kVec, kTpt = L::kTpt, kCpl = L::kCpl, kEpl = L::kEpl;
-  constexpr int kGroups = L::kGroups;
-  // Tokens per lane group and step: their 16-byte loads go out together, and
-  // the next step's loads go out before this step's math (double buffering),
-  // so 4-8 loads per lane (2-4 with 8 heads, whose registers are scarcer) are
-  // in flight: one per lane cannot cover the memory latency.
-  constexpr int kLoads = GC >= 8 ? 2 : 4;  // 16-byte loads per lane and buffer
-  constexpr int kUnroll = kLoads / kCpl > 0 ? kLoads / kCpl : 1;
-  constexpr int kStep = kGroups * kUnroll;
-  // Scores (GC, kSplit) during the two passes, then the per-warp partial
-  // outputs (kDecodeWarps, GC, D).
-  constexpr int kBuf = GC * kSplit > kDecodeWarps * GC * D ? GC * kSplit : kDecodeWarps * GC * D;
-  __shared__ __align__(16) float buf[kBuf];
-  __shared__ int64_t slot_of[kSplit];  // cache slot of each token of the split, -1: skipped
+  constexpr int kTpp = L::kTpp, kTile = L::kTile, kPasses = L::kPasses, kChunks = L::kChunks;
+  static_assert(kDecodeWarps * GC * (D + 2) * 4 <= kRingBytes, "merge buffer fits the ring");
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // [warp][stage][K | V][kStageVecs]
+  int64_t* slot_of = reinterpret_cast<int64_t*>(smem + kRingBytes);  // -1: skipped token
 
   const int tid = threadIdx.x;
-  const int lane = tid % kTpt;  // lane within the token group
-  const int grp = tid / kTpt;   // token group
-  const int warp = tid / 32, wlane = tid % 32;
+  const int warp = tid / 32, wl = tid % 32;
+  const int lane = wl % kTpt;  // lane within its token
+  const int tg = wl / kTpt;    // token of the pass
   const int64_t chunk = blockIdx.x % head_chunks;
   const int64_t bk = blockIdx.x / head_chunks;
   const int64_t b = bk / hkv;
@@ -255,133 +237,140 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();  // slot_of visible
 
-  float* sc = buf;  // sc[g * kSplit + i]: score, then probability, of token i for head g
-  uint4 ra[kUnroll][kCpl], rb[kUnroll][kCpl];  // two buffers of loads in flight
-  bool oa[kUnroll], ob[kUnroll];
+  const int ntiles = (ntok + kTile - 1) / kTile;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+  uint4* my_ring = ring + warp * kStages * 2 * kStageVecs;
+  // Copies this warp's i-th tile (tile warp + i * kDecodeWarps of the split)
+  // into stage i % kStages; always commits a group (empty past the last tile)
+  // so that the wait below counts uniformly. Skipped tokens are zero-filled
+  // without reading memory.
+  auto issue = [&](int i) {
+    if (i < my_tiles) {
+      const int base = (warp + i * kDecodeWarps) * kTile;
+      uint4* dk = my_ring + (i % kStages) * 2 * kStageVecs;
+#pragma unroll
+      for (int j = 0; j < kStageLoads; ++j) {
+        const int v = wl + 32 * j;  // chunk v % kChunks of the tile's row v / kChunks
+        const int tok = base + v / kChunks;
+        const int64_t slot = tok < ntok ? slot_of[tok] : -1;
+        const int64_t off = slot >= 0 ? slot * row + col + (v % kChunks) * kVec : 0;
+        const int bytes = slot >= 0 ? 16 : 0;
+        CpAsync16Zfill(dk + v, kc + off, bytes);
+        CpAsync16Zfill(dk + kStageVecs + v, vc + off, bytes);
+      }
+    }
+    CpAsyncCommit();
+  };
 
-  // Pass 1 step: the scores of the tokens of one buffer. Every thread runs
-  // every step (the shuffles need the whole warp); tokens past ntok store nothing.
-  auto score = [&](int base, const uint4(&raw)[kUnroll][kCpl], const bool(&ok)[kUnroll]) {
-    float dot[kUnroll][GC];
+  float m[GC], lsum[GC], acc[GC][kEpl];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+  for (int g = 0; g < GC; ++g) {
+    m[g] = -INFINITY;
+    lsum[g] = 0.f;
 #pragma unroll
-      for (int g = 0; g < GC; ++g) dot[u][g] = 0.f;
+    for (int e = 0; e < kEpl; ++e) acc[g][e] = 0.f;
+  }
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int i = 0; i < my_tiles; ++i) {  // uniform over the warp
+    issue(i + kStages - 1);
+    CpAsyncWait<kStages - 1>();  // this lane's copies of tile i landed ...
+    __syncwarp();                // ... and every lane's are visible
+    const uint4* sk = my_ring + (i % kStages) * 2 * kStageVecs;
+    const uint4* sv = sk + kStageVecs;
+    const int base = (warp + i * kDecodeWarps) * kTile;
+
+    // Scores of the tile's tokens: partial dots over this lane's chunks,
+    // summed over the token's kTpt lanes (each of them gets the sum).
+    float s[kPasses][GC];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) s[p][g] = 0.f;
 #pragma unroll
       for (int c = 0; c < kCpl; ++c) {
         float f[kVec];
-        Unpack<DT>(raw[u][c], f);
+        Unpack<DT>(sk[(p * kTpp + tg) * kChunks + c * kTpt + lane], f);
 #pragma unroll
         for (int g = 0; g < GC; ++g) {
 #pragma unroll
-          for (int x = 0; x < kVec; ++x) dot[u][g] += qr[g][c * kVec + x] * f[x];
+          for (int x = 0; x < kVec; ++x) s[p][g] += qr[g][c * kVec + x] * f[x];
         }
       }
     }
 #pragma unroll
     for (int o = kTpt / 2; o > 0; o >>= 1) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int p = 0; p < kPasses; ++p) {
 #pragma unroll
-        for (int g = 0; g < GC; ++g) dot[u][g] += __shfl_xor_sync(0xffffffffu, dot[u][g], o);
+        for (int g = 0; g < GC; ++g) s[p][g] += __shfl_xor_sync(0xffffffffu, s[p][g], o);
       }
     }
-    // Every lane of the group holds the sums; the stores are spread over lanes.
+    bool ok[kPasses];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * kGroups + grp;
+    for (int p = 0; p < kPasses; ++p) {
+      const int tok = base + p * kTpp + tg;
+      ok[p] = tok < ntok && slot_of[tok] >= 0;
+    }
+    // Online softmax per head: the tile's max over the warp (exact, so the
+    // same in every lane), rescale the running sums when it grows, then
+    // scores become exp(s - m), 0 for skipped tokens.
 #pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        if (g < ng && i < ntok && (u * GC + g) % kTpt == lane)
-          sc[g * kSplit + i] = ok[u] ? dot[u][g] : -INFINITY;
+    for (int g = 0; g < GC; ++g) {
+      float mt = -INFINITY;
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) mt = ok[p] ? fmaxf(mt, s[p][g]) : mt;
+#pragma unroll
+      for (int o = kTpt; o < 32; o <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      const float mn = fmaxf(m[g], mt);
+      if (mn > m[g]) {  // warp-uniform; m[g] == -INF: nothing to rescale yet
+        const float alpha = m[g] == -INFINITY ? 0.f : expf(m[g] - mn);
+        lsum[g] *= alpha;
+#pragma unroll
+        for (int e = 0; e < kEpl; ++e) acc[g][e] *= alpha;
+        m[g] = mn;
+      }
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        s[p][g] = ok[p] ? expf(s[p][g] - m[g]) : 0.f;
+        lsum[g] += s[p][g];
       }
     }
-  };
-  // Loop conditions depend on ntok only: uniform over the block.
-  // Double-buffered walk over the split's tokens: buffer 1 (rb/ob) of step
-  // s + 1 is in flight during the math on buffer 0 (ra/oa) of step s, and so
-  // on. The caller has issued buffer 0 of step 0.
-  auto walk = [&](const T* __restrict__ cache, auto&& use) {
-    for (int base = 0; base < ntok; base += 2 * kStep) {
-      if (base + kStep < ntok)
-        LoadRows<L, kUnroll>(cache, slot_of, ntok, base + kStep, grp, lane, row, col, rb, ob);
-      use(base, ra, oa);
-      if (base + kStep >= ntok) break;
-      if (base + 2 * kStep < ntok)
-        LoadRows<L, kUnroll>(cache, slot_of, ntok, base + 2 * kStep, grp, lane, row, col, ra, oa);
-      use(base + kStep, rb, ob);
-    }
-  };
-  LoadRows<L, kUnroll>(kc, slot_of, ntok, 0, grp, lane, row, col, ra, oa);
-  walk(kc, score);
-  __syncthreads();  // scores complete
-
-  // The first V rows do not depend on the softmax: their loads go out now.
-  LoadRows<L, kUnroll>(vc, slot_of, ntok, 0, grp, lane, row, col, ra, oa);
-
-  // Softmax statistics in f32, one warp per head; scores become exp(s - m),
-  // 0 for skipped tokens.
-  for (int g = warp; g < ng; g += kDecodeWarps) {
-    float* s = sc + g * kSplit;
-    float m = -INFINITY;
-    for (int i = wlane; i < ntok; i += 32) m = fmaxf(m, s[i]);
-    m = WarpMax(m);
-    float l = 0.f;
-    for (int i = wlane; i < ntok; i += 32) {
-      const float p = s[i] == -INFINITY ? 0.f : expf(s[i] - m);
-      s[i] = p;
-      l += p;
-    }
-    l = WarpSum(l);
-    if (wlane == 0) {
-      const int64_t part = (b * hq + h0 + g) * num_splits + split;
-      part_stats[part * 2] = m;
-      part_stats[part * 2 + 1] = l;
-    }
-  }
-  __syncthreads();  // probabilities visible
-
-  // Pass 2: each lane sums p * V over its tokens, in token order.
-  float acc[GC][kEpl];
+    // Output: each lane adds p * V over its token of every pass.
 #pragma unroll
-  for (int g = 0; g < GC; ++g) {
-#pragma unroll
-    for (int e = 0; e < kEpl; ++e) acc[g][e] = 0.f;
-  }
-  auto accumulate = [&](int base, const uint4(&raw)[kUnroll][kCpl], const bool(&ok)[kUnroll]) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * kGroups + grp;
-      float p[GC];
-#pragma unroll
-      for (int g = 0; g < GC; ++g) p[g] = (ok[u] && g < ng) ? sc[g * kSplit + i] : 0.f;
+    for (int p = 0; p < kPasses; ++p) {
 #pragma unroll
       for (int c = 0; c < kCpl; ++c) {
         float f[kVec];
-        Unpack<DT>(raw[u][c], f);
+        Unpack<DT>(sv[(p * kTpp + tg) * kChunks + c * kTpt + lane], f);
 #pragma unroll
         for (int g = 0; g < GC; ++g) {
 #pragma unroll
-          for (int x = 0; x < kVec; ++x) acc[g][c * kVec + x] += p[g] * f[x];
+          for (int x = 0; x < kVec; ++x) acc[g][c * kVec + x] += s[p][g] * f[x];
         }
       }
     }
-  };
-  walk(vc, accumulate);  // buffer 0 of step 0 went out before the softmax
+    __syncwarp();  // every lane done with stage i % kStages before it is refilled
+  }
+  CpAsyncWait<0>();  // only empty groups remain; nothing may land after the merge starts
 
-  // The token groups of a warp combine by xor shuffles, the warps through
-  // shared memory in warp order.
+  // Sum over the warp's tokens of a pass (xor over token lanes), then merge
+  // the warps through shared memory (the ring is free), in warp order.
 #pragma unroll
   for (int o = kTpt; o < 32; o <<= 1) {
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
+      lsum[g] += __shfl_xor_sync(0xffffffffu, lsum[g], o);
 #pragma unroll
       for (int e = 0; e < kEpl; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
     }
   }
-  __syncthreads();  // every read of sc done: buf is reused below
-  float* red = buf;  // red[(w * GC + g) * D + e]
-  if (wlane < kTpt) {
+  __syncthreads();  // every warp is out of the ring
+  float* red = reinterpret_cast<float*>(smem);       // [warp][GC][D]
+  float* wm = red + kDecodeWarps * GC * D;           // [warp][GC]: running max
+  float* wsum = wm + kDecodeWarps * GC;              // [warp][GC]: running sum
+  if (tg == 0) {
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
 #pragma unroll
@@ -391,14 +380,34 @@ __global__ void __launch_bounds__(kDecodeThreads)
           red[(warp * GC + g) * D + (c * kTpt + lane) * kVec + x] = acc[g][c * kVec + x];
       }
     }
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        wm[warp * GC + g] = m[g];
+        wsum[warp * GC + g] = lsum[g];
+      }
+    }
   }
   __syncthreads();
   for (int idx = tid; idx < ng * D; idx += kDecodeThreads) {
     const int g = idx / D, e = idx % D;
-    float o = red[g * D + e];
+    float mx = wm[g];
 #pragma unroll
-    for (int w = 1; w < kDecodeWarps; ++w) o += red[(w * GC + g) * D + e];
-    part_out[((b * hq + h0 + g) * num_splits + split) * D + e] = o;
+    for (int w = 1; w < kDecodeWarps; ++w) mx = fmaxf(mx, wm[w * GC + g]);
+    float o = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float mw = wm[w * GC + g];
+      const float a = mw == -INFINITY ? 0.f : expf(mw - mx);  // a warp without valid token: 0
+      o += a * red[(w * GC + g) * D + e];
+      l += a * wsum[w * GC + g];
+    }
+    const int64_t part = (b * hq + h0 + g) * num_splits + split;
+    part_out[part * D + e] = o;
+    if (e == 0) {
+      part_stats[part * 2] = mx;
+      part_stats[part * 2 + 1] = l;
+    }
   }
 }
 
@@ -493,7 +502,9 @@ ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
   // The chunks of one (sequence, kv head) are neighbours on grid.x: they run
   // together and share the split's K/V through L2.
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(d.num_splits));
-  DecodeSplitKernel<DT, D, GC><<<grid, kDecodeThreads, 0, stream>>>(
+  if (EnsureDynamicSmem<DecodeSplitKernel<DT, D, GC>>(kDecodeSmem) != cudaSuccess)
+    return LastCudaError("paged_decode shared memory opt-in");
+  DecodeSplitKernel<DT, D, GC><<<grid, kDecodeThreads, kDecodeSmem, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
       static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
       head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, scale, part_out,

@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "ffi_common.h"
@@ -29,12 +31,51 @@ template <> struct DevScalar<ffi::DataType::F16> {
   __device__ static __half Store(float v) { return __float2half_rn(v); }
 };
 
+// cp.async (sm_80+): 16 bytes global -> shared, through L2 only (cg: the
+// data is used once per block, L1 would only be polluted).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+// The same, reading src_bytes (0 or 16) and zero-filling the rest: with 0
+// nothing is read, so a masked-off row costs no memory traffic.
+__device__ __forceinline__ void CpAsync16Zfill(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Error after a launch: returned to XLA, never thrown or aborted.
 inline ffi::Error LastCudaError(const char* what) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_moe: ") + what + ": " + cudaGetErrorString(err));
   return ffi::Error::Success();
+}
+
+// Opting a kernel in to more than 48 KB of dynamic shared memory is a
+// per-device function attribute, not a stream operation: done once per device
+// and kernel (no host sync; safe while XLA captures a command buffer).
+template <auto Kernel>
+cudaError_t EnsureDynamicSmem(int bytes) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
+  return err;
 }
 
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
