@@ -41,6 +41,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/cuda_common.cuh"
 #include "ffi_common.h"
 #include "ops.h"
 #include "shape_checks.h"
