@@ -144,7 +144,8 @@ def test_write_kv_in_place_with_donation(rng):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("page_size", [16, 32, 64])
-@pytest.mark.parametrize("gqa", [1, 3, 4, 8, 12])  # 3: heads idle in a block; 12: two blocks
+# 3: heads idle in a block; 12: two blocks of 8 (f32), 20: two of 16 (bf16/f16)
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8, 12, 20])
 def test_decode_matches_reference_and_numpy(rng, dtype, page_size, gqa):
     d = int(rng.choice([64, 128, 256]))
     hkv = 2 if gqa < 8 else 1

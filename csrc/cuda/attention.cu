@@ -3,15 +3,17 @@
 //
 // Decode runs in two kernels, both with fixed reduction orders (bitwise
 // reproducible run to run):
-//  1. DecodeSplitKernel: one block per (batch b, kv head, chunk of up to 8
-//     query heads of its GQA group, split of kDecodeSplitTokens tokens). Each
-//     warp streams tiles of the split's K and V rows through a cp.async ring
-//     in shared memory and keeps an online softmax for all the chunk's heads
-//     (K/V read once, not once per head); the warps merge in order. Per head:
-//     the split's max m and sum l of exp(score - m) and the unnormalised sum
-//     of exp(score - m) * V, written to the scratch outputs part_stats
-//     (B, Hq, S, 2) and part_out (B, Hq, S, D). No allocation: the scratch is
-//     an extra output of the custom call.
+//  1. The split kernel: one block per (batch b, kv head, chunk of the query
+//     heads of its GQA group, split of kDecodeSplitTokens tokens). Each warp
+//     streams tiles of the split's K and V rows through a cp.async ring in
+//     shared memory and keeps an online softmax for all the chunk's heads
+//     (K/V read once, not once per head); the warps merge in order. bf16/f16:
+//     DecodeSplitMmaKernel (tensor cores, up to 16 heads per block); f32:
+//     DecodeSplitKernel (SIMT, up to 8). Per head: the split's max m and sum
+//     l of exp(score - m) and the unnormalised sum of exp(score - m) * V,
+//     written to the scratch outputs part_stats (B, Hq, S, 2) and part_out
+//     (B, Hq, S, D). No allocation: the scratch is an extra output of the
+//     custom call.
 //  2. DecodeCombineKernel: one block per (b, query head); merges the splits
 //     holding tokens, in split order.
 // Semantics are those of the CPU handler (csrc/cpu/attention.cc): lengths are
@@ -411,6 +413,247 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+// ---- bf16 / f16: tensor cores --------------------------------------------------
+//
+// The same split as DecodeSplitKernel, with both products on mma.sync
+// m16n8k16 (FlashAttention-2's register layout): per warp tile of 16 tokens,
+// S (16 query rows x 16 tokens) = q K^T, then O (16 x D) += P V with P
+// rounded to the input type (the f32 SIMT version spent most of its time in
+// FMAs, conversions and shuffles and could not keep HBM busy). The 16 rows
+// are up to 16 query heads of one GQA group; rows past the group are zero q
+// and never written. K/V tiles stream through a per-warp cp.async ring, rows
+// stored with 16-byte chunks XOR-swizzled by row so that ldmatrix is free of
+// bank conflicts.
+constexpr int kMmaRows = 16;    // query heads per block
+constexpr int kMmaTokens = 16;  // tokens per warp tile
+
+template <int D>
+struct MmaDecode {
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
+  static constexpr int kStages = D > 128 ? 2 : 3;
+  static constexpr int kTileVecs = kMmaTokens * kChunks;  // chunks per tile and tensor
+  static constexpr int kLoads = kTileVecs / 32;           // cp.async per lane, tile and tensor
+  static constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kTileVecs * 16;
+  static constexpr int kSmem = kRingBytes + kSplit * static_cast<int>(sizeof(int64_t));
+  static constexpr int kKSteps = D / 16;  // k steps of q K^T
+  static constexpr int kDTiles = D / 8;   // n tiles of P V
+  static_assert(kChunks >= 8 && kTileVecs % 32 == 0 && kSplit % kMmaTokens == 0, "layout");
+  static_assert(kDecodeWarps * kMmaRows * (D + 2) * 4 <= kRingBytes, "merge fits the ring");
+};
+
+// Position of chunk c of row r in a tile: XOR-swizzled over 8 rows.
+template <int kChunks>
+__device__ __forceinline__ int Swz(int r, int c) {
+  return r * kChunks + (c ^ (r & 7));
+}
+
+template <ffi::DataType DT, int D>
+__global__ void __launch_bounds__(kDecodeThreads)
+    DecodeSplitMmaKernel(const typename DevScalar<DT>::T* __restrict__ q,
+                         const typename DevScalar<DT>::T* __restrict__ kc,
+                         const typename DevScalar<DT>::T* __restrict__ vc,
+                         const int32_t* __restrict__ table, const int32_t* __restrict__ lengths,
+                         int64_t hq, int64_t hkv, int64_t group, int64_t head_chunks,
+                         int64_t num_pages, int64_t page_size, int64_t max_pages,
+                         int64_t num_splits, float scale, float* __restrict__ part_out,
+                         float* __restrict__ part_stats) {
+  using T = typename DevScalar<DT>::T;
+  using C = MmaDecode<D>;
+  constexpr int kChunks = C::kChunks, kStages = C::kStages, kTileVecs = C::kTileVecs;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // [warp][stage][K | V][kTileVecs]
+  int64_t* slot_of = reinterpret_cast<int64_t*>(smem + C::kRingBytes);  // -1: skipped token
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, wl = tid % 32;
+  const int g = wl / 4, t = wl % 4;  // mma fragment coordinates
+  const int64_t chunk = blockIdx.x % head_chunks;
+  const int64_t bk = blockIdx.x / head_chunks;
+  const int64_t b = bk / hkv;
+  const int64_t kvh = bk % hkv;
+  const int64_t split = blockIdx.y;
+  const int64_t len = ClampLength(lengths[b], max_pages * page_size);
+  const int64_t t0 = split * kSplit;
+  if (len <= t0) return;  // no token here; the combine kernel never reads this split
+  const int ntok = static_cast<int>(len - t0 < kSplit ? len - t0 : kSplit);
+  const int ng = static_cast<int>(group - chunk * kMmaRows < kMmaRows ? group - chunk * kMmaRows
+                                                                       : kMmaRows);
+  const int64_t h0 = kvh * group + chunk * kMmaRows;
+  const int64_t row = hkv * D;  // elements per cache slot
+  const int64_t col = kvh * D;  // this kv head's offset within a slot
+
+  for (int i = tid; i < ntok; i += kDecodeThreads) {
+    const int64_t tk = t0 + i;
+    const int64_t page = table[b * max_pages + tk / page_size];
+    slot_of[i] = (page >= 0 && page < num_pages) ? page * page_size + tk % page_size : -1;
+  }
+
+  // q as the A operand of q K^T: rows g and g + 8 (query heads h0 + row),
+  // columns 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide k step; rows past
+  // the group are zero.
+  uint32_t qa[C::kKSteps][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (b * hq + h0 + r) * D);
+#pragma unroll
+    for (int ks = 0; ks < C::kKSteps; ++ks) {
+      qa[ks][h] = r < ng ? __ldg(qr + 8 * ks + t) : 0u;
+      qa[ks][2 + h] = r < ng ? __ldg(qr + 8 * ks + 4 + t) : 0u;
+    }
+  }
+  __syncthreads();  // slot_of visible
+
+  const int ntiles = (ntok + kMmaTokens - 1) / kMmaTokens;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+  uint4* my_ring = ring + warp * kStages * 2 * kTileVecs;
+  // Copies this warp's i-th tile (tile warp + i * kDecodeWarps of the split)
+  // into stage i % kStages; always commits a group (empty past the last tile)
+  // so that the wait below counts uniformly. Skipped tokens are zero-filled
+  // without reading memory.
+  auto issue = [&](int i) {
+    if (i < my_tiles) {
+      const int base = (warp + i * kDecodeWarps) * kMmaTokens;
+      uint4* dk = my_ring + (i % kStages) * 2 * kTileVecs;
+#pragma unroll
+      for (int j = 0; j < C::kLoads; ++j) {
+        const int v = wl + 32 * j;
+        const int r = v / kChunks, c = v % kChunks;
+        const int tok = base + r;
+        const int64_t slot = tok < ntok ? slot_of[tok] : -1;
+        const int64_t off = slot >= 0 ? slot * row + col + c * 8 : 0;
+        const int bytes = slot >= 0 ? 16 : 0;
+        CpAsync16Zfill(dk + Swz<kChunks>(r, c), kc + off, bytes);
+        CpAsync16Zfill(dk + kTileVecs + Swz<kChunks>(r, c), vc + off, bytes);
+      }
+    }
+    CpAsyncCommit();
+  };
+
+  // Running softmax state of rows g (h = 0) and g + 8 (h = 1); o[j] holds
+  // columns 8j + 2t, +1 of both rows (the mma accumulator layout).
+  float o[C::kDTiles][4];
+#pragma unroll
+  for (int j = 0; j < C::kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int mi = wl / 8, mr = wl % 8;  // the ldmatrix matrix and row this lane addresses
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int i = 0; i < my_tiles; ++i) {  // uniform over the warp
+    issue(i + kStages - 1);
+    CpAsyncWait<kStages - 1>();  // this lane's copies of tile i landed ...
+    __syncwarp();                // ... and every lane's are visible
+    const uint4* sk = my_ring + (i % kStages) * 2 * kTileVecs;
+    const uint4* sv = sk + kTileVecs;
+    const int base = (warp + i * kDecodeWarps) * kMmaTokens;
+
+    // S = q K^T: s[n] holds tokens 8n + 2t, +1 of rows g (0, 1) and g + 8 (2, 3).
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < C::kKSteps; ++ks) {
+      uint32_t kb[4];  // matrices: tokens 0-7 / 8-15 (mi / 2) x d chunk 2ks / 2ks + 1 (mi % 2)
+      Ldmatrix4(kb, sk + Swz<kChunks>((mi >> 1) * 8 + mr, 2 * ks + (mi & 1)));
+      Mma16816<T>(s[0], qa[ks], kb[0], kb[1]);
+      Mma16816<T>(s[1], qa[ks], kb[2], kb[3]);
+    }
+    // Online softmax per row: skipped tokens -inf; the tile's row max over
+    // the row's 4 lanes (exact, so the same in each); rescale when it grows.
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = base + 8 * n + 2 * t + e;
+        const bool ok = tok < ntok && slot_of[tok] >= 0;
+        s[n][e] = ok ? s[n][e] * scale : -INFINITY;
+        s[n][2 + e] = ok ? s[n][2 + e] * scale : -INFINITY;
+      }
+    }
+    uint32_t pa[4];  // P as the A operand of P V
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mt = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+      const float mn = fmaxf(m[h], mt);
+      const float alpha = mn == m[h] ? 1.f : expf(m[h] - mn);  // m = -inf: exp(-inf) = 0
+      m[h] = mn;
+      l[h] *= alpha;
+#pragma unroll
+      for (int j = 0; j < C::kDTiles; ++j) {
+        o[j][2 * h] *= alpha;
+        o[j][2 * h + 1] *= alpha;
+      }
+      float p[2][2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = s[n][2 * h + e];
+          p[n][e] = x == -INFINITY ? 0.f : expf(x - mn);
+          l[h] += p[n][e];
+        }
+      }
+      pa[h] = Pack2(FromFloat16<T>(p[0][0]), FromFloat16<T>(p[0][1]));      // tokens 2t, +1
+      pa[2 + h] = Pack2(FromFloat16<T>(p[1][0]), FromFloat16<T>(p[1][1]));  // tokens 8 + 2t, +1
+    }
+    // O += P V.
+#pragma unroll
+    for (int jj = 0; jj < C::kDTiles / 2; ++jj) {
+      uint32_t vb[4];  // matrices: tokens 0-7 / 8-15 (mi % 2) x d chunk 2jj / 2jj + 1 (mi / 2)
+      Ldmatrix4Trans(vb, sv + Swz<kChunks>((mi & 1) * 8 + mr, 2 * jj + (mi >> 1)));
+      Mma16816<T>(o[2 * jj], pa, vb[0], vb[1]);
+      Mma16816<T>(o[2 * jj + 1], pa, vb[2], vb[3]);
+    }
+    __syncwarp();  // every lane done with stage i % kStages before it is refilled
+  }
+  CpAsyncWait<0>();  // only empty groups remain; nothing may land after the merge starts
+
+  // Row sums over the row's 4 lanes, then merge the warps through shared
+  // memory (the ring is free), in warp order.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  __syncthreads();  // every warp is out of the ring
+  float* red = reinterpret_cast<float*>(smem);  // [warp][row][D]
+  float* wm = red + kDecodeWarps * kMmaRows * D;  // [warp][row]: running max
+  float* wsum = wm + kDecodeWarps * kMmaRows;     // [warp][row]: running sum
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* dst = red + (warp * kMmaRows + g + 8 * h) * D + 2 * t;
+#pragma unroll
+    for (int j = 0; j < C::kDTiles; ++j)
+      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+    if (t == 0) {
+      wm[warp * kMmaRows + g + 8 * h] = m[h];
+      wsum[warp * kMmaRows + g + 8 * h] = l[h];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ng * D; idx += kDecodeThreads) {
+    const int r = idx / D, e = idx % D;
+    float mx = wm[r];
+#pragma unroll
+    for (int w = 1; w < kDecodeWarps; ++w) mx = fmaxf(mx, wm[w * kMmaRows + r]);
+    float acc = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float mw = wm[w * kMmaRows + r];
+      const float a = mw == -INFINITY ? 0.f : expf(mw - mx);  // a warp without valid token: 0
+      acc += a * red[(w * kMmaRows + r) * D + e];
+      sum += a * wsum[w * kMmaRows + r];
+    }
+    const int64_t part = (b * hq + h0 + r) * num_splits + split;
+    part_out[part * D + e] = acc;
+    if (e == 0) {
+      part_stats[part * 2] = mx;
+      part_stats[part * 2 + 1] = sum;
+    }
+  }
+}
+
 constexpr int kCombineThreads = 256;
 constexpr int kCombineChunk = 256;  // splits whose weights are staged in shared memory at once
 
@@ -515,26 +758,57 @@ ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
   return LastCudaError("paged_decode combine launch");
 }
 
-// Heads per block: the smallest power of two covering the group, at most
-// kMaxHeadsPerBlock (registers hold GC x (elements per lane) of q and of the
-// output; a non power of two leaves the last heads of the block idle).
+template <ffi::DataType DT, int D>
+ffi::Error LaunchDecodeMma(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& kp,
+                           const ffi::AnyBuffer& vp, const int32_t* table, const int32_t* lengths,
+                           const DecodeDims& d, float scale, void* out, float* part_out,
+                           float* part_stats) {
+  using T = typename DevScalar<DT>::T;
+  const int64_t head_chunks = (d.group + kMmaRows - 1) / kMmaRows;
+  const int64_t blocks = d.batch * d.hkv * head_chunks;
+  if (blocks >= (int64_t{1} << 31))
+    return InvalidArg("paged_decode: batch * kv heads * head chunks must be < 2^31");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(d.num_splits));
+  constexpr int kSmem = MmaDecode<D>::kSmem;
+  if (EnsureDynamicSmem<DecodeSplitMmaKernel<DT, D>>(kSmem) != cudaSuccess)
+    return LastCudaError("paged_decode shared memory opt-in");
+  DecodeSplitMmaKernel<DT, D><<<grid, kDecodeThreads, kSmem, stream>>>(
+      static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
+      static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
+      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, scale, part_out,
+      part_stats);
+  if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
+  DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), kCombineThreads, 0, stream>>>(
+      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, static_cast<T*>(out));
+  return LastCudaError("paged_decode combine launch");
+}
+
+// bf16/f16 run the tensor-core kernel (16 heads per block). f32 runs the
+// SIMT kernel with heads per block the smallest power of two covering the
+// group, at most kMaxHeadsPerBlock (registers hold GC x (elements per lane) of
+// q and of the output; a non power of two leaves the last heads idle).
 template <ffi::DataType DT, int D>
 ffi::Error DispatchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& kp,
                           const ffi::AnyBuffer& vp, const int32_t* table, const int32_t* lengths,
                           const DecodeDims& d, float scale, void* out, float* part_out,
                           float* part_stats) {
   static_assert(kMaxHeadsPerBlock == 8, "dispatch below");
-  if (d.group <= 1)
-    return LaunchDecode<DT, D, 1>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+  if constexpr (DT != ffi::DataType::F32) {  // 16-bit types: the tensor-core kernel
+    return LaunchDecodeMma<DT, D>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
                                   part_stats);
-  if (d.group <= 2)
-    return LaunchDecode<DT, D, 2>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+  } else {
+    if (d.group <= 1)
+      return LaunchDecode<DT, D, 1>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                    part_stats);
+    if (d.group <= 2)
+      return LaunchDecode<DT, D, 2>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                    part_stats);
+    if (d.group <= 4)
+      return LaunchDecode<DT, D, 4>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
+                                    part_stats);
+    return LaunchDecode<DT, D, 8>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
                                   part_stats);
-  if (d.group <= 4)
-    return LaunchDecode<DT, D, 4>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                  part_stats);
-  return LaunchDecode<DT, D, 8>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                part_stats);
+  }
 }
 
 ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
