@@ -70,7 +70,7 @@ def _failed(what, exc):
     print(f"  {what} failed: {msg}")
 
 
-def bench_decode(b, length, heads, dtype, calls, repeats, on_gpu, rng):
+def bench_decode(b, length, heads, dtype, calls, repeats, on_gpu, rng, decode_splits=()):
     hq, hkv, d = heads
     key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
     kq, kk, kv = jax.random.split(key, 3)
@@ -125,13 +125,18 @@ def bench_decode(b, length, heads, dtype, calls, repeats, on_gpu, rng):
         k_pages = k.reshape(num_pages, ps, hkv, d)[inv]
         v_pages = v.reshape(num_pages, ps, hkv, d)[inv]
 
-        def step(x, kp, vp, table, lengths):
-            return attention.paged_decode_attention(x, kp, vp, table, lengths)
+        # The automatic split first, then the --decode-splits sweep (page 16).
+        auto = attention.decode_split_tokens(b, hq, hkv, length, dtype)
+        for split in [None] + ([s for s in decode_splits if s != auto] if ps == PAGE_SIZES[0] else []):
+            def step(x, kp, vp, table, lengths, split=split):
+                return attention.paged_decode_attention(x, kp, vp, table, lengths,
+                                                        split_tokens=split)
 
-        sec = time_loop(step, q, (k_pages, v_pages, table, lengths), calls, repeats)
-        out = jax.jit(step)(q, k_pages, v_pages, table, lengths)
-        err = None if want is None else float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
-        row(f"paged ps={ps}", sec, err)
+            sec = time_loop(step, q, (k_pages, v_pages, table, lengths), calls, repeats)
+            out = jax.jit(step)(q, k_pages, v_pages, table, lengths)
+            err = None if want is None else float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
+            row(f"paged ps={ps} split={auto if split is None else split}"
+                f"{' (auto)' if split is None else ''}", sec, err)
         del k_pages, v_pages
     return rows
 
@@ -275,6 +280,8 @@ def main() -> None:
                    help="default bfloat16 (float32 for --quick on CPU)")
     p.add_argument("--calls", type=int, default=None, help="calls per timed loop")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-splits", default="",
+                   help="comma-separated split_tokens to time beside the automatic one (page 16)")
     p.add_argument("--json", default=None, help="write the results here (JSON)")
     p.add_argument("--plot", default=None, help="draw a PNG here (needs matplotlib)")
     args = p.parse_args()
@@ -306,8 +313,10 @@ def main() -> None:
         jobs += [(bench_decode, c) for c in decode_cases]
     if args.only in (None, "prefill"):
         jobs += [(bench_prefill, c) for c in prefill_cases]
+    splits = tuple(int(x) for x in args.decode_splits.split(",") if x)
     for fn, (b, n) in jobs:
-        for r in fn(b, n, heads, dtype, calls, repeats, on_gpu, rng):
+        extra = {"decode_splits": splits} if fn is bench_decode else {}
+        for r in fn(b, n, heads, dtype, calls, repeats, on_gpu, rng, **extra):
             rows.append(r)
             print_row(r)
         write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows

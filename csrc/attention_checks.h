@@ -9,12 +9,16 @@
 
 namespace jax_moe {
 
-// Tokens of one split of the decode kernel (flash-decoding). Python sizes the
-// scratch outputs with the same constant (module attribute DECODE_SPLIT_TOKENS).
-constexpr int64_t kDecodeSplitTokens = 256;
+// Tokens per split of the decode kernel (flash-decoding): the call's
+// split_tokens attribute, a multiple of kDecodeSplitUnit (the CUDA kernel's 4
+// warps x 16-token tiles) and at most kDecodeMaxSplitTokens (its page slots
+// are staged in shared memory). Python picks it and sizes the scratch outputs
+// (module attributes DECODE_SPLIT_UNIT, DECODE_MAX_SPLIT_TOKENS).
+constexpr int64_t kDecodeSplitUnit = 64;
+constexpr int64_t kDecodeMaxSplitTokens = 2048;
 
-inline int64_t DecodeNumSplits(int64_t max_tokens) {
-  int64_t s = (max_tokens + kDecodeSplitTokens - 1) / kDecodeSplitTokens;
+inline int64_t DecodeNumSplits(int64_t max_tokens, int64_t split_tokens) {
+  int64_t s = (max_tokens + split_tokens - 1) / split_tokens;
   return s < 1 ? 1 : s;
 }
 
@@ -53,14 +57,15 @@ inline ffi::Error CheckWriteKv(const ffi::AnyBuffer& k_pages, const ffi::AnyBuff
 
 struct DecodeDims {
   int64_t batch, hq, hkv, group, head_dim, num_pages, page_size, max_pages, max_tokens,
-      num_splits;
+      split_tokens, num_splits;
 };
 
 inline ffi::Error CheckDecode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
                               const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
                               const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
                               const ffi::Buffer<ffi::F32>& part_out,
-                              const ffi::Buffer<ffi::F32>& part_stats, DecodeDims* d) {
+                              const ffi::Buffer<ffi::F32>& part_stats, int64_t split_tokens,
+                              DecodeDims* d) {
   auto qd = q.dimensions();
   auto kp = k_pages.dimensions();
   auto pt = page_table.dimensions();
@@ -75,7 +80,11 @@ inline ffi::Error CheckDecode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_p
   d->hkv = kp[2];
   d->max_pages = pt[1];
   d->max_tokens = d->max_pages * d->page_size;
-  d->num_splits = DecodeNumSplits(d->max_tokens);
+  if (split_tokens < kDecodeSplitUnit || split_tokens > kDecodeMaxSplitTokens ||
+      split_tokens % kDecodeSplitUnit != 0)
+    return InvalidArg("paged_decode: split_tokens must be a multiple of 64 in [64, 2048]");
+  d->split_tokens = split_tokens;
+  d->num_splits = DecodeNumSplits(d->max_tokens, split_tokens);
   if (kp[3] != d->head_dim) return InvalidArg("paged_decode: head dims of q and k_pages differ");
   if (d->head_dim != 64 && d->head_dim != 128 && d->head_dim != 256)
     return InvalidArg("paged_decode: head dim must be 64, 128 or 256");

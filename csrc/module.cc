@@ -58,5 +58,6 @@ NB_MODULE(_jax_moe, m) {
   m.attr("has_cuda") = false;
 #endif
   m.attr("INDEX_CHUNK") = kIndexChunk;
-  m.attr("DECODE_SPLIT_TOKENS") = kDecodeSplitTokens;
+  m.attr("DECODE_SPLIT_UNIT") = kDecodeSplitUnit;
+  m.attr("DECODE_MAX_SPLIT_TOKENS") = kDecodeMaxSplitTokens;
 }

@@ -79,7 +79,7 @@ if has bench; then
 fi
 if has attn; then
   PYTHONPATH=$SITE timeout "${ATTN_SECONDS:-180}" python3 benchmarks/bench_attention.py \
-    --json "$OUT/bench_attention.json" --plot "$OUT/bench_attention.png" > "$OUT/bench_attention.log" 2>&1
+    --json "$OUT/bench_attention.json" --plot "$OUT/bench_attention.png" ${ATTN_ARGS:-} > "$OUT/bench_attention.log" 2>&1
   echo "=== attention bench (exit $?)"; cat "$OUT/bench_attention.log"
 fi
 exit $rc

@@ -27,3 +27,10 @@ for step in ${STEPS_AFTER:-attn}; do
   echo "=== $step done at $((SECONDS - t0)) s"
   grep -vE "^[WE][0-9]{4} |bfc_alloc" $L/step_$step.txt | tail -45
 done
+if [ -n "${PROFILE_DECODE:-}" ]; then  # e.g. PROFILE_DECODE="64 4096"
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+  PYTHONPATH=/tmp/jax_moe_site timeout 240 $NCU --kernel-name regex:DecodeSplit --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 scripts/profile_decode.py $PROFILE_DECODE > $L/ncu_decode.txt 2>&1
+  echo "=== ncu decode (exit $?)"; grep -vE "^[WE][0-9]{4} " $L/ncu_decode.txt | tail -120
+fi

@@ -2,12 +2,15 @@
 prefill_attention, each against its jnp twin (attention_reference) and a plain
 numpy float64 dense attention over the same tokens."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu
+from jax_moe import _attention_checks as _ac
 from jax_moe import attention, attention_reference
 
 ref_write_kv = jax.jit(attention_reference.write_kv)
@@ -163,14 +166,32 @@ def test_decode_shared_pages_and_scale(rng):
     check_decode(q, kp, vp, table, ln, dtype, scale=0.05)
 
 
-def test_decode_long_sequences_many_splits(rng):
-    """Longer than several CUDA splits (DECODE_SPLIT_TOKENS), lengths not on a
-    split boundary."""
-    dtype = jnp.bfloat16
-    st = attention.DECODE_SPLIT_TOKENS
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("st", [64, 256, 2048])
+def test_decode_long_sequences_many_splits(rng, dtype, st):
+    """Longer than several CUDA splits of split_tokens, lengths not on a split
+    boundary; the result does not depend on the split beyond rounding."""
     kp, vp, table, ln = make_cache(rng, [3 * st + 17, st, 1], 32, 2, 64, dtype)
     q = normal(rng, (3, 4, 64), dtype)
-    check_decode(q, kp, vp, table, ln, dtype)
+    out = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=st))(
+        q, kp, vp, table, ln)
+    s = 1 / np.sqrt(64)
+    assert_close(out, decode_np(q, kp, vp, table, ln, s), dtype, "decode vs numpy")
+    assert_close(out, check_decode(q, kp, vp, table, ln, dtype), dtype, "vs automatic split")
+
+
+def test_decode_split_constants_match_the_extension():
+    assert attention.DECODE_SPLIT_UNIT == _ac.DECODE_SPLIT_UNIT
+    assert attention.DECODE_MAX_SPLIT_TOKENS == _ac.DECODE_MAX_SPLIT_TOKENS
+
+
+def test_decode_split_tokens_rule():
+    # long splits while the GPU still gets enough blocks; never past the capacity
+    assert attention.decode_split_tokens(64, 32, 8, 4096, jnp.bfloat16) == 1024
+    assert attention.decode_split_tokens(8, 32, 8, 32768, jnp.bfloat16) == 1024
+    assert attention.decode_split_tokens(1, 32, 8, 4096, jnp.bfloat16) == 256
+    assert attention.decode_split_tokens(512, 32, 8, 300, jnp.bfloat16) == 512
+    assert attention.decode_split_tokens(4096, 64, 8, 1 << 20, jnp.float32) == 2048
 
 
 def test_decode_zero_length_gives_zero(rng):
@@ -425,6 +446,11 @@ def _decode_inputs(b=2, hq=4, hkv=2, d=64, pages=4, ps=16, mp=2, dtype=jnp.float
     ("len_cap", ValueError, "lengths must lie in"),
     ("len_neg", ValueError, "lengths must lie in"),
     ("scale", TypeError, "scale"),
+    ("split_small", ValueError, "split_tokens must be a multiple of 64"),
+    ("split_odd", ValueError, "split_tokens must be a multiple of 64"),
+    ("split_big", ValueError, "split_tokens must be a multiple of 64"),
+    ("split_type", TypeError, "split_tokens"),
+    ("split_many", ValueError, "more than 65535 splits"),
 ])
 def test_decode_errors(case, exc, match):
     q, kp, vp, pt, ln = _decode_inputs()
@@ -454,6 +480,11 @@ def test_decode_errors(case, exc, match):
         ln = jnp.asarray([-1, 1], jnp.int32)
     elif case == "scale":
         kw = {"scale": "big"}
+    elif case.startswith("split_"):
+        kw = {"split_tokens": {"split_small": 0, "split_odd": 96, "split_big": 4096,
+                               "split_type": 64.0, "split_many": 64}[case]}
+        if case == "split_many":  # 2**18 pages of 16 per sequence: > 65535 splits of 64
+            pt = jnp.zeros((2, 1 << 18), jnp.int32)
     with pytest.raises(exc, match=match):
         attention.paged_decode_attention(q, kp, vp, pt, ln, **kw)
     if case not in ("page_oob", "page_neg", "len_cap", "len_neg"):  # trace-time checks
@@ -534,7 +565,7 @@ def test_prefill_errors(case, exc, match):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_matches_cpu(rng, dtype, d):
-    st = attention.DECODE_SPLIT_TOKENS
+    st = 256
     lengths = [1, 16, 2 * st + 5, 3 * st]
     kp, vp, table, ln = make_cache(rng, lengths, 16, 2, d, dtype)
     q = normal(rng, (4, 8, d), dtype)

@@ -96,12 +96,12 @@ void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const i
 
 ffi::Error PagedDecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
-                          float scale, ffi::Result<ffi::AnyBuffer> out,
+                          float scale, int64_t split_tokens, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::Buffer<ffi::F32>> part_out,
                           ffi::Result<ffi::Buffer<ffi::F32>> part_stats) {
   DecodeDims d;
   if (auto err = CheckDecode(q, k_pages, v_pages, page_table, lengths, *out, *part_out,
-                             *part_stats, &d);
+                             *part_stats, split_tokens, &d);
       err.failure())
     return err;
   // The scratch outputs are the CUDA kernel's; the CPU path does not need them.
@@ -133,6 +133,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPagedDecodeCpu, PagedDecodeCpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("split_tokens")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

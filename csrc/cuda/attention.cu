@@ -4,7 +4,7 @@
 // Decode runs in two kernels, both with fixed reduction orders (bitwise
 // reproducible run to run):
 //  1. The split kernel: one block per (batch b, kv head, chunk of the query
-//     heads of its GQA group, split of kDecodeSplitTokens tokens). Each warp
+//     heads of its GQA group, split of split_tokens tokens). Each warp
 //     streams tiles of the split's K and V rows through a cp.async ring in
 //     shared memory and keeps an online softmax for all the chunk's heads
 //     (K/V read once, not once per head); the warps merge in order. bf16/f16:
@@ -99,7 +99,6 @@ ffi::Error WriteKvCuda(cudaStream_t stream, ffi::AnyBuffer k_pages, ffi::AnyBuff
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
-constexpr int kSplit = static_cast<int>(kDecodeSplitTokens);
 // Query heads one block handles (a larger GQA group is spread over blocks;
 // each block then re-reads the split, mostly from L2).
 constexpr int kMaxHeadsPerBlock = 8;
@@ -113,7 +112,9 @@ constexpr int kStages = 3;
 constexpr int kStageVecs = kStageBytes / 16;               // 16-byte chunks per stage and tensor
 constexpr int kStageLoads = kStageVecs / 32;               // cp.async per lane, stage and tensor
 constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kStageBytes;
-constexpr int kDecodeSmem = kRingBytes + kSplit * static_cast<int>(sizeof(int64_t));
+// The ring, then the cache slot of each token of the split (int32: the
+// handler rejects caches of 2^31 slots or more).
+constexpr int kDecodeSmem = kRingBytes + kDecodeMaxSplitTokens * static_cast<int>(sizeof(int32_t));
 
 // Lane layout of a warp over K/V rows of D elements of type T: kVec elements
 // per 16-byte chunk, kTpt lanes per token (a power of two <= 32), kCpl chunks
@@ -130,7 +131,8 @@ struct RowLayout {
   static constexpr int kTile = kStageBytes / (D * static_cast<int>(sizeof(T)));
   static constexpr int kPasses = kTile / kTpp;
   static_assert(kChunks % kTpt == 0 && (kTpt & (kTpt - 1)) == 0 && 32 % kTpt == 0, "layout");
-  static_assert(kTile >= kTpp && kTile % kTpp == 0 && kSplit % kTile == 0, "tile");
+  static_assert(kTile >= kTpp && kTile % kTpp == 0 && kDecodeSplitUnit % (4 * kTile) == 0,
+                "tile");
 };
 
 __device__ __forceinline__ float WarpMax(float x) {
@@ -170,7 +172,7 @@ __device__ __forceinline__ void Unpack(const uint4& raw,
 // grid (batch * hkv * head_chunks, num_splits), kDecodeThreads threads,
 // kDecodeSmem bytes of dynamic shared memory. A block takes GC query heads of
 // one GQA group (h0 .. h0 + ng - 1, all reading kv head kvh) over one split of
-// kSplit tokens, so K and V are read once per block, not once per head. The
+// split tokens, so K and V are read once per block, not once per head. The
 // split's tiles of kTile tokens go round-robin to the warps; each warp keeps
 // an online softmax (running max m, sum l, unnormalised output) per head over
 // its tiles, and the warps are merged in warp order at the end. Per head the
@@ -185,8 +187,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
                       const int32_t* __restrict__ table, const int32_t* __restrict__ lengths,
                       int64_t hq, int64_t hkv, int64_t group, int64_t head_chunks,
                       int64_t num_pages, int64_t page_size, int64_t max_pages,
-                      int64_t num_splits, float scale, float* __restrict__ part_out,
-                      float* __restrict__ part_stats) {
+                      int64_t num_splits, int split, float scale,
+                      float* __restrict__ part_out, float* __restrict__ part_stats) {
   using S = DevScalar<DT>;
   using T = typename S::T;
   using L = RowLayout<T, D>;
@@ -195,7 +197,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   static_assert(kDecodeWarps * GC * (D + 2) * 4 <= kRingBytes, "merge buffer fits the ring");
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [warp][stage][K | V][kStageVecs]
-  int64_t* slot_of = reinterpret_cast<int64_t*>(smem + kRingBytes);  // -1: skipped token
+  int32_t* slot_of = reinterpret_cast<int32_t*>(smem + kRingBytes);  // -1: skipped token
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, wl = tid % 32;
@@ -205,11 +207,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t bk = blockIdx.x / head_chunks;
   const int64_t b = bk / hkv;
   const int64_t kvh = bk % hkv;
-  const int64_t split = blockIdx.y;
+  const int64_t sp = blockIdx.y;
   const int64_t len = ClampLength(lengths[b], max_pages * page_size);
-  const int64_t t0 = split * kSplit;
+  const int64_t t0 = sp * split;
   if (len <= t0) return;  // no token here; the combine kernel never reads this split
-  const int ntok = static_cast<int>(len - t0 < kSplit ? len - t0 : kSplit);
+  const int ntok = static_cast<int>(len - t0 < split ? len - t0 : split);
   const int ng = static_cast<int>(group - chunk * GC < GC ? group - chunk * GC : GC);
   const int64_t h0 = kvh * group + chunk * GC;
   const int64_t row = hkv * D;  // elements per cache slot
@@ -218,7 +220,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int i = tid; i < ntok; i += kDecodeThreads) {
     const int64_t t = t0 + i;
     const int64_t page = table[b * max_pages + t / page_size];
-    slot_of[i] = (page >= 0 && page < num_pages) ? page * page_size + t % page_size : -1;
+    slot_of[i] = (page >= 0 && page < num_pages)
+                     ? static_cast<int32_t>(page * page_size + t % page_size) : -1;
   }
 
   // This lane's elements of q * scale for each head (0 for heads past ng).
@@ -404,7 +407,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       o += a * red[(w * GC + g) * D + e];
       l += a * wsum[w * GC + g];
     }
-    const int64_t part = (b * hq + h0 + g) * num_splits + split;
+    const int64_t part = (b * hq + h0 + g) * num_splits + sp;
     part_out[part * D + e] = o;
     if (e == 0) {
       part_stats[part * 2] = mx;
@@ -434,10 +437,12 @@ struct MmaDecode {
   static constexpr int kTileVecs = kMmaTokens * kChunks;  // chunks per tile and tensor
   static constexpr int kLoads = kTileVecs / 32;           // cp.async per lane, tile and tensor
   static constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kTileVecs * 16;
-  static constexpr int kSmem = kRingBytes + kSplit * static_cast<int>(sizeof(int64_t));
+  static constexpr int kSmem =
+      kRingBytes + kDecodeMaxSplitTokens * static_cast<int>(sizeof(int32_t));
   static constexpr int kKSteps = D / 16;  // k steps of q K^T
   static constexpr int kDTiles = D / 8;   // n tiles of P V
-  static_assert(kChunks >= 8 && kTileVecs % 32 == 0 && kSplit % kMmaTokens == 0, "layout");
+  static_assert(kChunks >= 8 && kTileVecs % 32 == 0 &&
+                    kDecodeSplitUnit % (kDecodeWarps * kMmaTokens) == 0, "layout");
   static_assert(kDecodeWarps * kMmaRows * (D + 2) * 4 <= kRingBytes, "merge fits the ring");
 };
 
@@ -455,14 +460,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
                          const int32_t* __restrict__ table, const int32_t* __restrict__ lengths,
                          int64_t hq, int64_t hkv, int64_t group, int64_t head_chunks,
                          int64_t num_pages, int64_t page_size, int64_t max_pages,
-                         int64_t num_splits, float scale, float* __restrict__ part_out,
-                         float* __restrict__ part_stats) {
+                         int64_t num_splits, int split, float scale,
+                         float* __restrict__ part_out, float* __restrict__ part_stats) {
   using T = typename DevScalar<DT>::T;
   using C = MmaDecode<D>;
   constexpr int kChunks = C::kChunks, kStages = C::kStages, kTileVecs = C::kTileVecs;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [warp][stage][K | V][kTileVecs]
-  int64_t* slot_of = reinterpret_cast<int64_t*>(smem + C::kRingBytes);  // -1: skipped token
+  int32_t* slot_of = reinterpret_cast<int32_t*>(smem + C::kRingBytes);  // -1: skipped token
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, wl = tid % 32;
@@ -471,11 +476,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t bk = blockIdx.x / head_chunks;
   const int64_t b = bk / hkv;
   const int64_t kvh = bk % hkv;
-  const int64_t split = blockIdx.y;
+  const int64_t sp = blockIdx.y;
   const int64_t len = ClampLength(lengths[b], max_pages * page_size);
-  const int64_t t0 = split * kSplit;
+  const int64_t t0 = sp * split;
   if (len <= t0) return;  // no token here; the combine kernel never reads this split
-  const int ntok = static_cast<int>(len - t0 < kSplit ? len - t0 : kSplit);
+  const int ntok = static_cast<int>(len - t0 < split ? len - t0 : split);
   const int ng = static_cast<int>(group - chunk * kMmaRows < kMmaRows ? group - chunk * kMmaRows
                                                                        : kMmaRows);
   const int64_t h0 = kvh * group + chunk * kMmaRows;
@@ -485,7 +490,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int i = tid; i < ntok; i += kDecodeThreads) {
     const int64_t tk = t0 + i;
     const int64_t page = table[b * max_pages + tk / page_size];
-    slot_of[i] = (page >= 0 && page < num_pages) ? page * page_size + tk % page_size : -1;
+    slot_of[i] = (page >= 0 && page < num_pages)
+                     ? static_cast<int32_t>(page * page_size + tk % page_size) : -1;
   }
 
   // q as the A operand of q K^T: rows g and g + 8 (query heads h0 + row),
@@ -645,7 +651,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       acc += a * red[(w * kMmaRows + r) * D + e];
       sum += a * wsum[w * kMmaRows + r];
     }
-    const int64_t part = (b * hq + h0 + r) * num_splits + split;
+    const int64_t part = (b * hq + h0 + r) * num_splits + sp;
     part_out[part * D + e] = acc;
     if (e == 0) {
       part_stats[part * 2] = mx;
@@ -665,7 +671,8 @@ template <ffi::DataType DT, int D>
 __global__ void __launch_bounds__(kCombineThreads)
     DecodeCombineKernel(const float* __restrict__ part_out, const float* __restrict__ part_stats,
                         const int32_t* __restrict__ lengths, int64_t hq, int64_t max_tokens,
-                        int64_t num_splits, typename DevScalar<DT>::T* __restrict__ out) {
+                        int64_t num_splits, int64_t split,
+                        typename DevScalar<DT>::T* __restrict__ out) {
   using S = DevScalar<DT>;
   constexpr int kV = D / 4;
   constexpr int kPhases = kCombineThreads / kV;
@@ -679,7 +686,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t b = bh / hq;
   const int tid = threadIdx.x, v = tid % kV, r = tid / kV;
   const int64_t len = ClampLength(lengths[b], max_tokens);
-  int64_t used = (len + kSplit - 1) / kSplit;  // splits holding tokens
+  int64_t used = (len + split - 1) / split;  // splits holding tokens
   if (used > num_splits) used = num_splits;
   const float* st = part_stats + bh * num_splits * 2;
   const float4* po = reinterpret_cast<const float4*>(part_out + bh * num_splits * D);
@@ -747,14 +754,15 @@ ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(d.num_splits));
   if (EnsureDynamicSmem<DecodeSplitKernel<DT, D, GC>>(kDecodeSmem) != cudaSuccess)
     return LastCudaError("paged_decode shared memory opt-in");
-  DecodeSplitKernel<DT, D, GC><<<grid, kDecodeThreads, kDecodeSmem, stream>>>(
+  const int smem = kRingBytes + static_cast<int>(d.split_tokens) * static_cast<int>(sizeof(int32_t));
+  DecodeSplitKernel<DT, D, GC><<<grid, kDecodeThreads, smem, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
       static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
-      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, scale, part_out,
+      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, static_cast<int>(d.split_tokens), scale, part_out,
       part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
   DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), kCombineThreads, 0, stream>>>(
-      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, static_cast<T*>(out));
+      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, d.split_tokens, static_cast<T*>(out));
   return LastCudaError("paged_decode combine launch");
 }
 
@@ -772,14 +780,15 @@ ffi::Error LaunchDecodeMma(cudaStream_t stream, const ffi::AnyBuffer& q, const f
   constexpr int kSmem = MmaDecode<D>::kSmem;
   if (EnsureDynamicSmem<DecodeSplitMmaKernel<DT, D>>(kSmem) != cudaSuccess)
     return LastCudaError("paged_decode shared memory opt-in");
-  DecodeSplitMmaKernel<DT, D><<<grid, kDecodeThreads, kSmem, stream>>>(
+  const int smem = MmaDecode<D>::kRingBytes + static_cast<int>(d.split_tokens) * 4;
+  DecodeSplitMmaKernel<DT, D><<<grid, kDecodeThreads, smem, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
       static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
-      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, scale, part_out,
+      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, static_cast<int>(d.split_tokens), scale, part_out,
       part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
   DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), kCombineThreads, 0, stream>>>(
-      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, static_cast<T*>(out));
+      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, d.split_tokens, static_cast<T*>(out));
   return LastCudaError("paged_decode combine launch");
 }
 
@@ -813,17 +822,19 @@ ffi::Error DispatchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ff
 
 ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                            ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
-                           ffi::Buffer<ffi::S32> lengths, float scale,
+                           ffi::Buffer<ffi::S32> lengths, float scale, int64_t split_tokens,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::Buffer<ffi::F32>> part_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> part_stats) {
   DecodeDims d;
   if (auto err = CheckDecode(q, k_pages, v_pages, page_table, lengths, *out, *part_out,
-                             *part_stats, &d);
+                             *part_stats, split_tokens, &d);
       err.failure())
     return err;
   if (d.batch == 0 || d.hq == 0) return ffi::Error::Success();
   if (d.num_splits > 65535) return InvalidArg("paged_decode: max_pages * page_size too large");
+  if (d.num_pages * d.page_size >= (int64_t{1} << 31))
+    return InvalidArg("paged_decode: the cache must have fewer than 2^31 slots");
   if (d.batch * d.hkv >= (int64_t{1} << 31) || d.batch * d.hq >= (int64_t{1} << 31))
     return InvalidArg("paged_decode: batch * heads must be < 2^31");
   return DispatchFloat(q.element_type(), "q", [&]<ffi::DataType DT>() {
@@ -868,6 +879,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPagedDecodeCuda, PagedDecodeCuda,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("split_tokens")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>(),

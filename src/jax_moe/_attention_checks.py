@@ -13,9 +13,15 @@ import numpy as np
 from jax_moe import _checks
 
 HEAD_DIMS = (64, 128, 256)
-# The CUDA decode kernel puts its splits of 256 tokens on grid.y (<= 65535);
-# the same bound holds on every platform (csrc/attention_checks.h).
+# The CUDA decode kernel puts its splits on grid.y (<= 65535); with the
+# default splits of >= 256 tokens, the same bound holds on every platform
+# (csrc/attention_checks.h).
 MAX_DECODE_TOKENS = 65535 * 256
+MAX_DECODE_SPLITS = 65535
+# Split sizes the decode kernel accepts (kDecodeSplitUnit, kDecodeMaxSplitTokens
+# in csrc/attention_checks.h; a test checks that the extension agrees).
+DECODE_SPLIT_UNIT = 64
+DECODE_MAX_SPLIT_TOKENS = 2048
 
 
 def _concrete(x) -> bool:
@@ -71,6 +77,23 @@ def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
             raise ValueError("slot_mapping has duplicate slots (each token needs its own slot)")
 
 
+def decode_split_tokens(split_tokens, capacity: int) -> int | None:
+    """paged_decode_attention's split_tokens: None (automatic) or a static
+    multiple of DECODE_SPLIT_UNIT up to DECODE_MAX_SPLIT_TOKENS that cuts the
+    capacity into at most MAX_DECODE_SPLITS splits."""
+    unit, largest = DECODE_SPLIT_UNIT, DECODE_MAX_SPLIT_TOKENS
+    if split_tokens is None:
+        return None
+    v = _checks.static_int(split_tokens, "split_tokens")
+    if v < unit or v > largest or v % unit:
+        raise ValueError(f"split_tokens must be a multiple of {unit} in [{unit}, {largest}], "
+                         f"got {split_tokens!r}")
+    if -(-capacity // v) > MAX_DECODE_SPLITS:
+        raise ValueError(f"split_tokens={v} cuts page_table's capacity {capacity} into more than "
+                         f"{MAX_DECODE_SPLITS} splits; use a larger split_tokens")
+    return v
+
+
 def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
     cache_args(k_pages, v_pages)
     _checks.rank(q, "q", 3)
@@ -92,6 +115,9 @@ def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
         raise ValueError(f"page_table must have B={b} rows (q's batch), got {page_table.shape[0]}")
     if lengths.shape[0] != b:
         raise ValueError(f"lengths must have B={b} entries (q's batch), got {lengths.shape[0]}")
+    if num_pages * page_size >= 2**31:
+        raise ValueError(f"k_pages holds num_pages * page_size = {num_pages * page_size} slots; "
+                         "the decode kernel indexes slots with int32 (at most 2**31 - 1)")
     capacity = page_table.shape[1] * page_size
     if capacity > MAX_DECODE_TOKENS:
         raise ValueError(

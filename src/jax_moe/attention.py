@@ -34,19 +34,40 @@ from jax_moe import _ffi
 from jax_moe.attention_reference import segment_ids
 
 __all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "prefill_path",
-           "decode_num_splits", "DECODE_SPLIT_TOKENS"]
+           "decode_num_splits", "decode_split_tokens", "DECODE_SPLIT_UNIT",
+           "DECODE_MAX_SPLIT_TOKENS"]
 
-# Tokens per split of the CUDA flash-decoding kernel (csrc/attention_checks.h).
-DECODE_SPLIT_TOKENS: int = int(_ffi._ext.DECODE_SPLIT_TOKENS)
+# Tokens per split of the flash-decoding kernel: a multiple of
+# DECODE_SPLIT_UNIT, at most DECODE_MAX_SPLIT_TOKENS (csrc/attention_checks.h).
+DECODE_SPLIT_UNIT: int = int(_ffi._ext.DECODE_SPLIT_UNIT)
+DECODE_MAX_SPLIT_TOKENS: int = int(_ffi._ext.DECODE_MAX_SPLIT_TOKENS)
+# The automatic split: the longest of 256 .. DECODE_MAX_SPLIT_TOKENS tokens
+# that still gives the GPU this many blocks (several waves of its 2 blocks
+# per SM: longer splits amortise each block's start and merge, and write
+# fewer partial results; too few blocks leave SMs idle).
+_DECODE_MIN_BLOCKS = 2048
 
 
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype))
 
 
-def decode_num_splits(max_pages_per_seq: int, page_size: int) -> int:
+def decode_num_splits(max_pages_per_seq: int, page_size: int, split_tokens: int) -> int:
     """Number of sequence splits of the decode kernel (static: from shapes only)."""
-    return max(1, -(-(max_pages_per_seq * page_size) // DECODE_SPLIT_TOKENS))
+    return max(1, -(-(max_pages_per_seq * page_size) // split_tokens))
+
+
+def decode_split_tokens(batch: int, q_heads: int, kv_heads: int, capacity: int, dtype) -> int:
+    """The automatic split_tokens of paged_decode_attention (static: from
+    shapes only). Blocks of the CUDA kernel: batch x kv heads x chunks of 16
+    query heads (8 for f32) of a GQA group x splits."""
+    rows = 8 if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else 16
+    chunks = kv_heads * -(-(q_heads // max(kv_heads, 1)) // rows)
+    split = 256
+    while (split < DECODE_MAX_SPLIT_TOKENS and split < capacity
+           and batch * chunks * -(-capacity // (2 * split)) >= _DECODE_MIN_BLOCKS):
+        split *= 2
+    return split
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
@@ -68,16 +89,28 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
 
 
-def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None):
+def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None,
+                           split_tokens=None):
     """One query token per sequence against its paged cache.
 
     q (B, Hq, D) -> (B, Hq, D) in q's dtype; Hq a multiple of Hkv (GQA: query
     head h reads kv head h // (Hq // Hkv)); D in {64, 128, 256}; scale defaults
     to 1/sqrt(D). Scores and softmax statistics in f32; the reduction order is
-    fixed (bitwise reproducible run to run)."""
+    fixed (bitwise reproducible run to run). On the GPU, bf16/f16 run on
+    tensor cores with the probabilities rounded to q's dtype before they
+    weight V (as FlashAttention does); f32 runs in f32 throughout.
+
+    split_tokens (static; None = decode_split_tokens' choice): tokens per
+    split of the flash-decoding kernel, a multiple of DECODE_SPLIT_UNIT up to
+    DECODE_MAX_SPLIT_TOKENS. A tuning knob only: any value gives the same
+    result up to the order of the sums."""
     scale = _ac.decode_args(q, k_pages, v_pages, page_table, lengths, scale)
     b, hq, d = q.shape
-    splits = decode_num_splits(page_table.shape[1], k_pages.shape[1])
+    capacity = page_table.shape[1] * k_pages.shape[1]
+    split_tokens = _ac.decode_split_tokens(split_tokens, capacity)
+    if split_tokens is None:
+        split_tokens = decode_split_tokens(b, hq, k_pages.shape[2], capacity, q.dtype)
+    splits = decode_num_splits(page_table.shape[1], k_pages.shape[1], split_tokens)
     call = jax.ffi.ffi_call(
         "jax_moe_paged_decode",
         (_sds(q.shape, q.dtype),
@@ -86,7 +119,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
         vmap_method="sequential",
     )
     out, _, _ = call(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                     lengths.astype(jnp.int32), scale=np.float32(scale))
+                     lengths.astype(jnp.int32), scale=np.float32(scale),
+                     split_tokens=np.int64(split_tokens))
     return out
 
 

@@ -29,8 +29,12 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return kf.reshape(k_pages.shape), vf.reshape(v_pages.shape)
 
 
-def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None):
+def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None,
+                           split_tokens=None):
+    """The twin of jax_moe.attention.paged_decode_attention; split_tokens is
+    checked for signature parity, not used."""
     scale = _ac.decode_args(q, k_pages, v_pages, page_table, lengths, scale)
+    _ac.decode_split_tokens(split_tokens, page_table.shape[1] * k_pages.shape[1])
     b, hq, d = q.shape
     p, ps, hkv, _ = k_pages.shape
     g = hq // hkv
