@@ -33,20 +33,16 @@ if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend 
      > "$OUT/pytest_gpu.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_gpu.log") &
   pids+=($!)
 fi
-if has sanitize; then  # memcheck over the small edge cases marked `sanitize`
-  # One process per test file: the sanitizer has twice crashed its host
-  # process (segfault, no report) in the middle of a run; this way a crash
-  # costs one file, and -v / faulthandler name the test it happened in.
+if has sanitize; then  # memcheck (and SANITIZE_TOOLS) over the small edge cases marked `sanitize`
+  # One driver per test file and tool (scripts/run_sanitizer.py): it survives
+  # the sanitizer's occasional host-process crashes and gives each buffer its
+  # own allocation so that memcheck sees its bounds.
   (cd tests
    for f in ${SANITIZE_FILES:-$(grep -l "mark.sanitize" test_*.py)}; do
      for tool in ${SANITIZE_TOOLS:-memcheck}; do
-       # Command buffers (CUDA graphs) off: the sanitizer then sees plain launches.
-       PYTHONPATH=$SITE JAX_PLATFORMS=cuda \
-         XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
-         compute-sanitizer --tool $tool --error-exitcode 9 \
-         python3 -X faulthandler -m pytest -v -p no:cacheprovider -m sanitize "$f" > "$OUT/${tool}_$f.log" 2>&1
-       echo "$tool $f exit $?" | tee -a "$OUT/${tool}_$f.log" >> "$OUT/memcheck.log"
-       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}_$f.log" | tail -2 >> "$OUT/memcheck.log"
+       PYTHONPATH=$SITE python3 ../scripts/run_sanitizer.py $tool "$f" "$OUT" > "$OUT/${tool}_$f.log" 2>&1
+       echo "$tool $f exit $?" >> "$OUT/memcheck.log"
+       tail -1 "$OUT/${tool}_$f.log" >> "$OUT/memcheck.log"
      done
    done
    grep -q "exit [^0]" "$OUT/memcheck.log" && echo "memcheck exit 1" >> "$OUT/memcheck.log" \

@@ -543,6 +543,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int j = 0; j < C::kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int mi = wl / 8, mr = wl % 8;  // the ldmatrix matrix and row this lane addresses
+  const float scale2 = scale * 1.4426950408889634f;  // scale * log2(e)
 
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -563,45 +564,56 @@ __global__ void __launch_bounds__(kDecodeThreads)
       Mma16816<T>(s[0], qa[ks], kb[0], kb[1]);
       Mma16816<T>(s[1], qa[ks], kb[2], kb[3]);
     }
-    // Online softmax per row: skipped tokens -inf; the tile's row max over
-    // the row's 4 lanes (exact, so the same in each); rescale when it grows.
+    // Online softmax per row, in base 2 (scores times scale * log2(e), so
+    // that each exponential is one ex2): skipped tokens -inf; the tile's row
+    // max over the row's 4 lanes (exact, so the same in each).
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = base + 8 * n + 2 * t + e;
         const bool ok = tok < ntok && slot_of[tok] >= 0;
-        s[n][e] = ok ? s[n][e] * scale : -INFINITY;
-        s[n][2 + e] = ok ? s[n][2 + e] * scale : -INFINITY;
+        s[n][e] = ok ? s[n][e] * scale2 : -INFINITY;
+        s[n][2 + e] = ok ? s[n][2 + e] * scale2 : -INFINITY;
       }
     }
-    uint32_t pa[4];  // P as the A operand of P V
+    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mt = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
       mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
       mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
       const float mn = fmaxf(m[h], mt);
-      const float alpha = mn == m[h] ? 1.f : expf(m[h] - mn);  // m = -inf: exp(-inf) = 0
+      alpha[h] = mn == m[h] ? 1.f : exp2f(m[h] - mn);  // m = -inf: 2^-inf = 0
       m[h] = mn;
-      l[h] *= alpha;
+      l[h] *= alpha[h];
+    }
+    // Rescale the outputs only when some row's max grew (rare after the
+    // first tiles): a warp-uniform branch over 2 x kDTiles x 2 multiplies.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int j = 0; j < C::kDTiles; ++j) {
-        o[j][2 * h] *= alpha;
-        o[j][2 * h + 1] *= alpha;
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
       }
+    }
+    uint32_t pa[4];  // P as the A operand of P V
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
       float p[2][2];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float x = s[n][2 * h + e];
-          p[n][e] = x == -INFINITY ? 0.f : expf(x - mn);
+          p[n][e] = x == -INFINITY ? 0.f : exp2f(x - m[h]);
           l[h] += p[n][e];
         }
       }
-      pa[h] = Pack2(FromFloat16<T>(p[0][0]), FromFloat16<T>(p[0][1]));      // tokens 2t, +1
-      pa[2 + h] = Pack2(FromFloat16<T>(p[1][0]), FromFloat16<T>(p[1][1]));  // tokens 8 + 2t, +1
+      pa[h] = PackFloat2<T>(p[0][0], p[0][1]);      // tokens 2t, +1
+      pa[2 + h] = PackFloat2<T>(p[1][0], p[1][1]);  // tokens 8 + 2t, +1
     }
     // O += P V.
 #pragma unroll
@@ -647,14 +659,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
       const float mw = wm[w * kMmaRows + r];
-      const float a = mw == -INFINITY ? 0.f : expf(mw - mx);  // a warp without valid token: 0
+      const float a = mw == -INFINITY ? 0.f : exp2f(mw - mx);  // a warp without valid token: 0
       acc += a * red[(w * kMmaRows + r) * D + e];
       sum += a * wsum[w * kMmaRows + r];
     }
     const int64_t part = (b * hq + h0 + r) * num_splits + sp;
     part_out[part * D + e] = acc;
     if (e == 0) {
-      part_stats[part * 2] = mx;
+      part_stats[part * 2] = mx * 0.6931471805599453f;  // base 2 -> natural (the combine's)
       part_stats[part * 2 + 1] = sum;
     }
   }

@@ -70,6 +70,18 @@ __device__ __forceinline__ uint32_t Pack2(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+// Two floats rounded to bf16 / f16 in one instruction, lo in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t PackFloat2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i,
 // and register i returns row lane/4, columns 2*(lane%4)..+1 of matrix i.
 __device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], const void* smem) {

@@ -45,7 +45,7 @@ DECODE_MAX_SPLIT_TOKENS: int = int(_ffi._ext.DECODE_MAX_SPLIT_TOKENS)
 # that still gives the GPU this many blocks (several waves of its 2 blocks
 # per SM: longer splits amortise each block's start and merge, and write
 # fewer partial results; too few blocks leave SMs idle).
-_DECODE_MIN_BLOCKS = 2048
+_DECODE_MIN_BLOCKS = 1024
 
 
 def _sds(shape, dtype):
