@@ -31,6 +31,8 @@ if [ -n "${PROFILE_DECODE:-}" ]; then  # e.g. PROFILE_DECODE="64 4096"
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
   PYTHONPATH=/tmp/jax_moe_site timeout 240 $NCU --kernel-name regex:DecodeSplit --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 scripts/profile_decode.py $PROFILE_DECODE > $L/ncu_decode.txt 2>&1
+    --section MemoryWorkloadAnalysis \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,dram__bytes_read.sum" \
+    python3 scripts/profile_decode.py $PROFILE_DECODE > $L/ncu_decode.txt 2>&1
   echo "=== ncu decode (exit $?)"; grep -vE "^[WE][0-9]{4} " $L/ncu_decode.txt | tail -120
 fi
