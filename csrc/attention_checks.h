@@ -109,4 +109,28 @@ inline ffi::Error CheckDecode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_p
   return ffi::Error::Success();
 }
 
+// fill_rows: x (N, ...) of a float dtype, ctrl (2,) int32, out like x.
+inline ffi::Error CheckFillRows(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& ctrl,
+                                const ffi::AnyBuffer& out, int64_t* rows, int64_t* row_bytes) {
+  auto xd = x.dimensions();
+  if (xd.size() < 1) return InvalidArg("fill_rows: x must have a leading row axis");
+  if (!IsFloatType(x.element_type()) || out.element_type() != x.element_type() ||
+      out.element_count() != x.element_count())
+    return InvalidArg("fill_rows: x and the output must be one float array");
+  if (ctrl.element_count() != 2) return InvalidArg("fill_rows: ctrl must be (start, poison)");
+  *rows = xd[0];
+  *row_bytes = *rows == 0 ? 0
+                          : static_cast<int64_t>(x.size_bytes()) / *rows;
+  return ffi::Error::Success();
+}
+
+// The bit pattern of a quiet NaN of a float dtype (2 or 4 bytes).
+inline uint32_t NanBits(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return 0x7FC0u;
+    case ffi::DataType::F16: return 0x7E00u;
+    default: return 0x7FC00000u;
+  }
+}
+
 }  // namespace jax_moe

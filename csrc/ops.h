@@ -19,7 +19,8 @@ namespace jax_moe {
   X("jax_moe_gated_act", GatedAct)         \
   X("jax_moe_combine", Combine)            \
   X("jax_moe_write_kv", WriteKv)           \
-  X("jax_moe_paged_decode", PagedDecode)
+  X("jax_moe_paged_decode", PagedDecode)   \
+  X("jax_moe_fill_rows", FillRows)
 
 #define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
 JAX_MOE_TARGETS(JAX_MOE_DECLARE_CPU)

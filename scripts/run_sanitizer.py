@@ -15,7 +15,13 @@ import re
 import subprocess
 import sys
 
-tool, test_file, log_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+tool, test_file, log_dir = sys.argv[1], sys.argv[2], os.path.abspath(sys.argv[3])
+# pytest reports test ids relative to its rootdir (the repository root, where
+# pyproject.toml is): run every pytest there.
+root = os.path.dirname(os.path.abspath(test_file))
+while root != "/" and not os.path.exists(os.path.join(root, "pyproject.toml")):
+    root = os.path.dirname(root)
+test_file = os.path.relpath(os.path.abspath(test_file), root)
 env = dict(os.environ, JAX_PLATFORMS="cuda",
            # Plain launches (no CUDA graphs), and one cudaMalloc per buffer, so
            # that memcheck checks each buffer's own bounds (the default BFC
@@ -32,22 +38,21 @@ def run(ids):
     """(exit code, {test id: outcome}, report had errors) of one sanitizer process."""
     global runs
     runs += 1
-    log = os.path.join(log_dir, f"{tool}_{test_file}.{runs}.log")
+    log = os.path.join(log_dir, f"{tool}_{os.path.basename(test_file)}.{runs}.log")
     with open(log, "w") as fh:
         rc = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "9",
                              sys.executable, "-X", "faulthandler", "-m", "pytest", "-v",
                              "-p", "no:cacheprovider", *ids],
-                            stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=root).returncode
     text = open(log).read()
     outcomes = dict(OUTCOME.findall(text))
     print(f"{tool} {test_file} run {runs}: exit {rc}, {len(outcomes)}/{len(ids)} tests ran, "
           f"report {'with errors' if BAD.search(text) else 'clean'}", flush=True)
     return rc, outcomes, BAD.search(text) is not None
 
-
 collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
                           "no:cacheprovider", "-m", "sanitize", test_file],
-                         capture_output=True, text=True, env=env).stdout
+                         capture_output=True, text=True, env=env, cwd=root).stdout
 todo = [line.strip() for line in collect.splitlines() if "::" in line]
 passed, failed, crashed, dirty = [], [], [], False
 while todo:

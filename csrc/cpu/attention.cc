@@ -125,6 +125,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kWriteKvCpu, WriteKvCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
+// fill_rows: rows >= ctrl[0] of x (N, ...) become 0, or with ctrl[1] != 0
+// every element becomes NaN; in place (the output aliases x).
+ffi::Error FillRowsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ctrl,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  int64_t rows = 0, row_bytes = 0;
+  if (auto err = CheckFillRows(x, ctrl, *out, &rows, &row_bytes); err.failure()) return err;
+  char* o = static_cast<char*>(out->untyped_data());
+  if (o != x.untyped_data()) std::memcpy(o, x.untyped_data(), x.size_bytes());
+  const bool poison = ctrl.typed_data()[1] != 0;
+  const int64_t start = poison ? 0 : std::clamp<int64_t>(ctrl.typed_data()[0], 0, rows);
+  char* p = o + start * row_bytes;
+  const size_t bytes = static_cast<size_t>((rows - start) * row_bytes);
+  if (!poison) {
+    std::memset(p, 0, bytes);
+    return ffi::Error::Success();
+  }
+  const uint32_t nan = NanBits(x.element_type());
+  const size_t width = ffi::ByteWidth(x.element_type());
+  for (size_t i = 0; i < bytes; i += width) std::memcpy(p + i, &nan, width);  // little endian
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFillRowsCpu, FillRowsCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPagedDecodeCpu, PagedDecodeCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()

@@ -868,7 +868,70 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
   });
 }
 
+// ---- fill_rows ------------------------------------------------------------------
+
+// Rows >= ctrl[0] of x (rows x units_per_row units) become `zero`, or with
+// ctrl[1] != 0 every unit becomes `nan`. Read on the device: no host sync.
+// With no padding row the blocks exit at once, so the call costs a launch.
+template <typename Unit>
+__global__ void FillRowsKernel(Unit* __restrict__ x, const int32_t* __restrict__ ctrl,
+                               int64_t rows, int64_t units_per_row, Unit zero, Unit nan) {
+  const bool poison = ctrl[1] != 0;
+  const int64_t s = ctrl[0];
+  const int64_t start = poison ? 0 : (s < 0 ? 0 : (s > rows ? rows : s));
+  const int64_t total = (rows - start) * units_per_row;
+  Unit* base = x + start * units_per_row;
+  const Unit v = poison ? nan : zero;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x)
+    base[i] = v;
+}
+
+template <typename Unit>
+ffi::Error LaunchFillRows(cudaStream_t stream, void* x, const int32_t* ctrl, int64_t rows,
+                          int64_t row_bytes, Unit zero, Unit nan) {
+  const int64_t units = row_bytes / static_cast<int64_t>(sizeof(Unit));
+  FillRowsKernel<Unit><<<GridFor(rows * units, 256, 1024), 256, 0, stream>>>(
+      static_cast<Unit*>(x), ctrl, rows, units, zero, nan);
+  return LastCudaError("fill_rows launch");
+}
+
+ffi::Error FillRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ctrl,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  int64_t rows = 0, row_bytes = 0;
+  if (auto err = CheckFillRows(x, ctrl, *out, &rows, &row_bytes); err.failure()) return err;
+  void* o = out->untyped_data();
+  if (o != x.untyped_data() && x.size_bytes() != 0 &&
+      cudaMemcpyAsync(o, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream) !=
+          cudaSuccess)
+    return LastCudaError("fill_rows copy");
+  if (rows == 0 || row_bytes == 0) return ffi::Error::Success();
+  const uint32_t nan = NanBits(x.element_type());
+  if (ffi::ByteWidth(x.element_type()) == 4) {
+    if (row_bytes % 16 == 0)
+      return LaunchFillRows<uint4>(stream, o, ctrl.typed_data(), rows, row_bytes,
+                                   make_uint4(0, 0, 0, 0), make_uint4(nan, nan, nan, nan));
+    return LaunchFillRows<uint32_t>(stream, o, ctrl.typed_data(), rows, row_bytes, 0u, nan);
+  }
+  const uint32_t nan2 = nan | (nan << 16);  // two 16-bit NaNs
+  if (row_bytes % 16 == 0)
+    return LaunchFillRows<uint4>(stream, o, ctrl.typed_data(), rows, row_bytes,
+                                 make_uint4(0, 0, 0, 0), make_uint4(nan2, nan2, nan2, nan2));
+  if (row_bytes % 4 == 0)
+    return LaunchFillRows<uint32_t>(stream, o, ctrl.typed_data(), rows, row_bytes, 0u, nan2);
+  return LaunchFillRows<uint16_t>(stream, o, ctrl.typed_data(), rows, row_bytes, uint16_t{0},
+                                  static_cast<uint16_t>(nan));
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFillRowsCuda, FillRowsCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kWriteKvCuda, WriteKvCuda,
                               ffi::Ffi::Bind()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_moe import _attention_checks as _ac
 
-__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "segment_ids"]
+__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "segment_ids", "fill_rows"]
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
@@ -55,6 +55,15 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     o = jnp.einsum("bhgt,bthd->bhgd", e, vv, precision=jax.lax.Precision.HIGHEST)
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
     return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def fill_rows(x, start, poison):
+    """The twin of jax_moe.attention.fill_rows: rows start .. N-1 of x set to
+    0 (start clamped to [0, N]), or every element NaN where poison is true."""
+    rows = jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1))
+    zeroed = jnp.where(rows >= jnp.clip(jnp.asarray(start, jnp.int32), 0, x.shape[0]),
+                       jnp.zeros((), x.dtype), x)
+    return jnp.where(jnp.asarray(poison, bool), jnp.asarray(jnp.nan, x.dtype), zeroed)
 
 
 def segment_ids(cu_seqlens, n: int):
