@@ -5,12 +5,19 @@ compute capability) through the extension. ``group_gemm_tile_m`` picks the
 GEMM's rows per tile at trace time: from the table of the GPU model JAX runs
 on (``tuning_tables/<device kind>.json``, written by ``python -m
 jax_moe.tune``) when it lists the problem, else by a rule on the average
-number of rows per expert.
+number of rows per expert (``default_tile_m``).
 
-Results are bitwise reproducible run to run for any choice. The tensor-core
+tile_m = 256 is the CUTLASS sm90 kernel (wgmma + TMA, csrc/cuda/
+group_gemm_sm90.cu), used where ``sm90_usable`` holds and otherwise run as
+128. Neither the rule nor the tables pick it yet.
+
+Results are bitwise reproducible run to run for any choice. The mma.sync
 tiles (32, 64, 128) give identical bits (each output sums K in the same
-order); the decode kernel (8) splits K over 4 warps and adds the partial sums
-in a fixed order, so it may differ from them in the last bits.
+order); the decode kernel (8) splits K over 8 warps and adds the partial sums
+in a fixed order, and the sm90 kernel (256) sums K in wgmma's order, so
+either may differ from the others in the last bits. The sm90 kernel stays
+deterministic because its persistent tile scheduler has no split-K or
+stream-K: one CTA computes each output tile over all of K in a fixed order.
 """
 
 from __future__ import annotations
@@ -25,12 +32,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
-from jax_moe._ffi import _ext
+from jax_moe._ffi import HAS_SM90_GEMM, _ext
 
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
-           "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES"]
+           "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
+           "sm90_device", "sm90_shape_ok", "sm90_usable"]
 
 TILE_M = _checks.TILE_M
+SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
 MODEL_SHAPES = {
@@ -50,6 +59,31 @@ def hardware(device: int = 0) -> dict | None:
     if not getattr(_ext, "has_cuda", False):
         return None
     return _ext.device_info(device)
+
+
+@functools.cache
+def _device0_is_sm90() -> bool:
+    hw = hardware()
+    return hw is not None and tuple(hw["compute_capability"]) == (9, 0)
+
+
+def sm90_device() -> bool:
+    """True when the sm90 kernel can run here: the extension has it
+    (HAS_SM90_GEMM), JAX's default backend is a GPU and CUDA device 0 has
+    compute capability 9.0. The device query is made once."""
+    return HAS_SM90_GEMM and _device_kind() is not None and _device0_is_sm90()
+
+
+def sm90_shape_ok(n: int, k: int, dtype) -> bool:
+    """The problems the sm90 kernel takes: bf16/f16, N and K multiples of 8
+    (16-byte rows for TMA), K > 0."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and n % 8 == 0 and k % 8 == 0 and k > 0)
+
+
+def sm90_usable(n: int, k: int, dtype) -> bool:
+    """sm90_device() and sm90_shape_ok(n, k, dtype)."""
+    return sm90_shape_ok(n, k, dtype) and sm90_device()
 
 
 def default_tile_m(m: int, experts: int) -> int:
