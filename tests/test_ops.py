@@ -628,6 +628,7 @@ def test_cuda_sm90_path_is_built_for_hopper():
     import jax_moe
     assert jax_moe.HAS_SM90_GEMM, "built without CUTLASS: tile_m=256 ran the 128-row tile"
     assert tuning.sm90_device() and tuning.sm90_usable(264, 200, jnp.bfloat16)
+    assert tuning.group_gemm_tile_m(65536, 128, 1536, 2048, jnp.bfloat16) == 256
 
 
 @pytest.mark.gpu
