@@ -57,6 +57,14 @@ NB_MODULE(_jax_moe, m) {
 #else
   m.attr("has_cuda") = false;
 #endif
+#ifdef JAX_MOE_WITH_SM90
+  m.def("group_gemm_sm90_scratch_bytes", &GroupGemmSm90ScratchBytes, nb::arg("m"), nb::arg("k"),
+        nb::arg("groups"), nb::arg("gather"),
+        "Bytes of group_gemm's scratch output for the sm90 path (tile_m=256).");
+  m.attr("HAS_SM90_GEMM") = true;
+#else
+  m.attr("HAS_SM90_GEMM") = false;
+#endif
   m.attr("INDEX_CHUNK") = kIndexChunk;
   m.attr("DECODE_SPLIT_UNIT") = kDecodeSplitUnit;
   m.attr("DECODE_MAX_SPLIT_TOKENS") = kDecodeMaxSplitTokens;

@@ -32,6 +32,14 @@ JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
 #undef JAX_MOE_DECLARE_CUDA
 #endif
 
+#ifdef JAX_MOE_WITH_SM90
+// Bytes of the scratch output that group_gemm needs for the sm90 path
+// (tile_m = 256; csrc/cuda/group_gemm_sm90.cu): group arrays, the CUTLASS
+// workspace for up to 144 SMs and, with a gather, the expanded rows (m x k
+// 16-bit elements). A pure function of its arguments: no device query.
+int64_t GroupGemmSm90ScratchBytes(int64_t m, int64_t k, int64_t groups, bool gather);
+#endif
+
 #ifdef JAX_MOE_WITH_CUDA
 // The hardware descriptor (csrc/cuda/device_info.cu).
 struct DeviceInfo {

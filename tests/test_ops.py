@@ -362,7 +362,9 @@ TILE_SHAPES = [
 
 
 # The CPU handler has one path whatever tile_m says: on CPU one tile is enough.
-GPU_TILES = [8, 32, 64, 128] if ON_GPU else [32]
+# 256 (the sm90 kernel) falls back to 128 for most TILE_SHAPES (N or K not a
+# multiple of 8, f32); its own cases are in the tile_m = 256 section below.
+GPU_TILES = [8, 32, 64, 128, 256] if ON_GPU else [32]
 
 
 @dtypes
@@ -394,7 +396,7 @@ def _gather_rows(rng, tokens, topk, experts, extra_invalid=True):
 
 @pytest.mark.sanitize
 @dtypes
-@pytest.mark.parametrize("tile_m", [None, 8, 32, 128])
+@pytest.mark.parametrize("tile_m", [None, 8, 32, 128, 256])
 @pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 70, 6, 3), (5, 13, 9, 4, 4)],
                          ids=["T1", "T37", "K13_topk_eq_E"])
 def test_group_gemm_gather_matches_expand_then_gemm(rng, shape, tile_m, dtype):
@@ -422,7 +424,7 @@ def test_group_gemm_tiles_small_sanitize(rng, tile_m):
                      jnp.bfloat16, f"tile_m={tile_m} m={m}")
 
 
-@pytest.mark.parametrize("bad", [0, 16, 256, -8, 8.0, "8"])
+@pytest.mark.parametrize("bad", [0, 16, 512, -8, 8.0, "8"])
 def test_group_gemm_rejects_bad_tile_m(bad):
     x = jnp.zeros((4, 8), jnp.bfloat16)
     w = jnp.zeros((2, 6, 8), jnp.bfloat16)
@@ -433,7 +435,7 @@ def test_group_gemm_rejects_bad_tile_m(bad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_m", [8, 32, 64, 128])
+@pytest.mark.parametrize("tile_m", [8, 32, 64, 128, 256])
 def test_cuda_group_gemm_tiles_large(rng, tile_m):
     # Real model widths (K = 2048, N = 1536) with decode- and prefill-like
     # routings, CUDA against the CPU handler.
@@ -444,6 +446,203 @@ def test_cuda_group_gemm_tiles_large(rng, tile_m):
         got = ops.group_gemm(x, w, sizes, tile_m=tile_m)
         assert_close(got, on_cpu(ops.group_gemm, x, w, sizes), jnp.bfloat16,
                      f"CUDA tile_m={tile_m} m={m} vs CPU")
+
+
+# ------------------------------------------------- tile_m = 256: the sm90 kernel
+# On a compute capability 9.0 GPU (H100/H200) of a build with CUTLASS,
+# tile_m = 256 runs the CUTLASS wgmma/TMA kernel (csrc/cuda/group_gemm_sm90.cu)
+# for bf16/f16 with N and K multiples of 8; everywhere else (CPU, other GPUs,
+# f32, other N or K) the 128-row tile. On CPU these tests check the CPU
+# handler with tile_m = 256 accepted.
+
+half_dtypes = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+
+# Where the sm90 kernel switches paths: M off its 128-row tiles; N and K odd
+# multiples of 8 (TMA's 16-byte rows) around its 64-deep k tile and its
+# 128/256-column tiles; E > M; experts averaging >= 512 rows with N >= 256
+# (the 128x256 tile on a 2-CTA cluster, else 128x128 on one CTA).
+SM90_SHAPES = [  # (M, K, N, E)
+    (1, 64, 72, 4),        # one row
+    (77, 8, 8, 16),        # K = N = 8: a sliver of one k tile and one column tile; E > M
+    (300, 200, 136, 3),    # K = 25*8, N = 17*8
+    (1000, 136, 264, 16),  # ~62 rows per expert: several 128x128 tiles, N past 256
+    (2100, 200, 264, 4),   # ~525 rows per expert, N >= 256: the 128x256 cluster kernel
+]
+
+
+@half_dtypes
+@pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
+@pytest.mark.parametrize("shape", SM90_SHAPES, ids=str)
+def test_group_gemm_sm90(rng, shape, pattern, dtype):
+    m, k, n, experts = shape
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
+    got = ops.group_gemm(x, w, sizes, tile_m=256)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"tile_m=256, sizes={sizes}")
+    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+@pytest.mark.sanitize
+def test_group_gemm_sm90_small_sanitize(rng):
+    # Small cases for compute-sanitizer: one row, E > M, a partial tail, one
+    # expert with every row, and the cluster kernel (~550 rows per expert).
+    for (m, k, n, experts), pattern in [((1, 64, 72, 4), "partial"), ((77, 8, 8, 16), "partial"),
+                                        ((300, 200, 136, 3), "all_in_one"),
+                                        ((1100, 64, 256, 2), "partial"),
+                                        ((1100, 64, 256, 2), "all_in_one")]:
+        x = normal(rng, (m, k), jnp.bfloat16)
+        w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+        sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
+        got = ops.group_gemm(x, w, sizes, tile_m=256)
+        assert_close(got, ref.group_gemm(x, w, sizes), jnp.bfloat16, f"m={m} sizes={sizes}")
+        assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+@pytest.mark.sanitize
+@half_dtypes
+@pytest.mark.parametrize("tail", [False, True], ids=["all_rows", "tail"])
+@pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 72, 6, 3), (300, 200, 136, 4, 2),
+                                   (600, 64, 256, 2, 2)],
+                         ids=["T1", "T37", "T300", "T600_cluster"])
+def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
+    # The sm90 path expands the gathered rows (invalid entries: zero rows)
+    # before its GEMM. With `tail`, the last non-empty expert's rows are left
+    # out of expert_sizes: they must come out zero.
+    tokens, k, n, experts, topk = shape
+    x = normal(rng, (tokens, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
+    if tail:
+        s = np.asarray(sizes).copy()
+        s[np.flatnonzero(s)[-1]] = 0
+        sizes = jnp.asarray(s)
+    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=256)
+    want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
+    assert got.shape == (tokens * topk, n) and got.dtype == dtype
+    assert_close(got, want, dtype, f"gather, tile_m=256, sizes={sizes}")
+    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("sizes", [[90, 5, 0, 0], [5, -3, 70, 20], [-5, 10, 4, 100], [30, 30, 30, 30]],
+                         ids=["oversized_first", "negative", "negative_first_oversized_last", "sum_past_m"])
+def test_group_gemm_sm90_clamps_bad_sizes_like_reference(rng, sizes):
+    x = normal(rng, (64, 24), jnp.bfloat16)
+    w = normal(rng, (4, 16, 24), jnp.bfloat16, 0.2)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    assert_close(ops.group_gemm(x, w, sizes, tile_m=256), ref.group_gemm(x, w, sizes), jnp.bfloat16)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", ["f32", "K_not_8x", "N_not_8x"])
+def test_group_gemm_sm90_falls_back(rng, case):
+    # Outside the sm90 kernel's problems tile_m = 256 runs the 128-row tile:
+    # correct, and bit for bit what tile_m = 128 gives.
+    dtype, k, n = {"f32": (jnp.float32, 64, 72), "K_not_8x": (jnp.bfloat16, 204, 136),
+                   "N_not_8x": (jnp.float16, 200, 130)}[case]
+    m, experts = 300, 3
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m, experts, "partial"))
+    got = ops.group_gemm(x, w, sizes, tile_m=256)
+    assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"{case}, sizes={sizes}")
+    assert_equal(got, ops.group_gemm(x, w, sizes, tile_m=128), f"{case}: tile_m=256 vs 128")
+
+
+def test_group_gemm_sm90_is_bitwise_reproducible(rng):
+    # No split-K or stream-K: the same bits every run, eager or jitted.
+    m, k, n, experts = 2100, 200, 264, 4
+    x = normal(rng, (m, k), jnp.bfloat16)
+    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
+    first = ops.group_gemm(x, w, sizes, tile_m=256)
+    assert_equal(ops.group_gemm(x, w, sizes, tile_m=256), first, "second eager run")
+    jitted = jax.jit(functools.partial(ops.group_gemm, tile_m=256))
+    assert_equal(jitted(x, w, sizes), first, "jitted run")
+    assert_equal(jitted(x, w, sizes), first, "second jitted run")
+
+
+def test_group_gemm_sm90_jit_new_routing(rng):
+    # One executable (and, on the GPU, possibly one recorded CUDA graph) for
+    # every routing: the group shapes are computed on the device per call.
+    tokens, k, n, experts, topk = 256, 136, 264, 4, 2
+
+    @jax.jit
+    def two_gemms(x, w1, w2, d2s, sizes):
+        h = ops.group_gemm_gather(x, w1, sizes, d2s, topk, tile_m=256)
+        return ops.group_gemm(jnp.tanh(h), w2, sizes, tile_m=256)
+
+    x = normal(rng, (tokens, k), jnp.bfloat16)
+    w1 = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+    w2 = normal(rng, (experts, k, n), jnp.bfloat16, scale=1.0 / np.sqrt(n))
+    for trial in range(3):
+        d2s, sizes = _gather_rows(rng, tokens, topk, experts, extra_invalid=trial > 0)
+        h = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w1, sizes)
+        want = ref.group_gemm(jnp.tanh(h), w2, sizes)
+        # Both GEMMs round to bf16; allow two roundings' worth.
+        assert_close(two_gemms(x, w1, w2, d2s, sizes), want, jnp.bfloat16, f"routing {trial}",
+                     rtol=2e-2)
+
+
+def test_group_gemm_sm90_scratch_bytes():
+    # The host-side sizing of the sm90 kernel's scratch (CUTLASS's workspace
+    # size without device data): runs wherever the build has the kernel.
+    from jax_moe._ffi import HAS_SM90_GEMM, _ext
+    if not HAS_SM90_GEMM:
+        pytest.skip("built without the sm90 kernel")
+    size = _ext.group_gemm_sm90_scratch_bytes
+    base = size(1000, 136, 16, False)
+    assert base >= 2 * 128 * 144  # at least the A and B TMA descriptors of 144 SMs
+    assert size(5, 136, 16, False) == base  # without a gather, M does not matter
+    assert size(1000, 136, 16, True) >= base + 1000 * 136 * 2  # the expanded rows
+    assert size(1000, 136, 4096, False) > base  # per-expert shapes, pointers, strides
+
+
+@pytest.mark.parametrize("tile_m", [128, 256])
+def test_group_gemm_scratch_output_only_for_sm90(rng, tile_m):
+    # The custom call's second output is the sm90 kernel's scratch: sized by
+    # the extension where that kernel will run, empty everywhere else.
+    from jax_moe import tuning
+    from jax_moe._ffi import _ext
+    m, k, n, experts = 256, 64, 72, 4
+    x = normal(rng, (m, k), jnp.bfloat16)
+    w = normal(rng, (experts, n, k), jnp.bfloat16)
+    sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
+    text = jax.jit(functools.partial(ops.group_gemm, tile_m=tile_m)).lower(x, w, sizes).as_text()
+    scratch = [int(b) for b in re.findall(r"tensor<(\d+)xui8>", text)]
+    want = (_ext.group_gemm_sm90_scratch_bytes(m, k, experts, False)
+            if tile_m == 256 and tuning.sm90_usable(n, k, jnp.bfloat16) else 0)
+    assert scratch == [want], text
+
+
+@pytest.mark.gpu
+def test_cuda_sm90_path_is_built_for_hopper():
+    # On an H100/H200 the tile_m = 256 tests above must reach the sm90 kernel:
+    # the build must include it and the device check must accept the GPU.
+    from jax_moe import tuning
+    hw = tuning.hardware()
+    if hw is None or tuple(hw["compute_capability"]) != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    import jax_moe
+    assert jax_moe.HAS_SM90_GEMM, "built without CUTLASS: tile_m=256 ran the 128-row tile"
+    assert tuning.sm90_device() and tuning.sm90_usable(264, 200, jnp.bfloat16)
+    assert tuning.group_gemm_tile_m(65536, 128, 1536, 2048, jnp.bfloat16) == 256
+
+
+@pytest.mark.gpu
+def test_cuda_group_gemm_sm90_large(rng):
+    # Real model widths (K = 2048, N = 1536): decode-like (most experts empty),
+    # ~256 rows per expert (128x128 tiles) and ~1024 (the 128x256 cluster
+    # kernel), CUDA against the CPU handler.
+    for m, experts in [(8, 128), (4096, 16), (8192, 8)]:
+        x = normal(rng, (m, 2048), jnp.bfloat16)
+        w = normal(rng, (experts, 1536, 2048), jnp.bfloat16, scale=2048**-0.5)
+        sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
+        got = ops.group_gemm(x, w, sizes, tile_m=256)
+        assert_close(got, on_cpu(ops.group_gemm, x, w, sizes), jnp.bfloat16,
+                     f"CUDA tile_m=256 m={m} vs CPU")
 
 
 # ------------------------------------------------------------- step 5: activation

@@ -10,19 +10,38 @@ from conftest import ON_GPU
 from jax_moe import tuning
 
 
-def test_default_rule_by_rows_per_expert():
-    assert tuning.default_tile_m(8, 128) == 8          # decode: T=1, k=8
-    assert tuning.default_tile_m(128, 128) == 8        # T=16, k=8: one row per expert
-    assert tuning.default_tile_m(1024, 128) == 8       # T=128: ~8 rows per expert
-    assert tuning.default_tile_m(8192, 256) == 64      # T=1024, DeepSeek-V3: ~32 rows
-    assert tuning.default_tile_m(8192, 128) == 128     # T=1024: ~64 rows
-    assert tuning.default_tile_m(65536, 128) == 128    # T=8192
-    tiles = [tuning.default_tile_m(m, 64) for m in (1, 10, 100, 1000, 10_000, 100_000)]
+@pytest.mark.parametrize("sm90", [False, True])
+def test_default_rule_by_rows_per_expert(sm90):
+    rule = lambda m, e: tuning.default_tile_m(m, e, sm90=sm90)  # noqa: E731
+    assert rule(8, 128) == 8          # decode: T=1, k=8
+    assert rule(128, 128) == 8        # T=16, k=8: one row per expert
+    assert rule(1024, 128) == 8       # T=128: ~8 rows per expert
+    assert rule(8192, 256) == 64      # T=1024, DeepSeek-V3: ~32 rows
+    assert rule(8192, 128) == 128     # T=1024: ~64 rows
+    # T=2048 and 8192: 128 and 512 rows per expert, the sm90 kernel where it runs
+    assert rule(16384, 128) == (256 if sm90 else 128)
+    assert rule(65536, 128) == (256 if sm90 else 128)
+    tiles = [rule(m, 64) for m in (1, 10, 100, 1000, 10_000, 100_000)]
     assert tiles == sorted(tiles)  # never a smaller tile for more rows
+
+
+def test_default_rule_asks_the_device_when_not_told():
+    assert tuning.default_tile_m(65536, 128) == (256 if tuning.sm90_device() else 128)
+
+
+def test_sm90_shape_rule():
+    assert tuning.sm90_shape_ok(136, 200, jnp.bfloat16) and tuning.sm90_shape_ok(8, 8, jnp.float16)
+    assert not tuning.sm90_shape_ok(136, 200, jnp.float32)
+    assert not tuning.sm90_shape_ok(130, 200, jnp.bfloat16)   # N % 8
+    assert not tuning.sm90_shape_ok(136, 204, jnp.bfloat16)   # K % 8
+    assert not tuning.sm90_shape_ok(136, 0, jnp.bfloat16)
+    if not jax_moe.HAS_SM90_GEMM or not ON_GPU:
+        assert not tuning.sm90_device() and not tuning.sm90_usable(136, 200, jnp.bfloat16)
 
 
 def test_explicit_tile_m_wins_and_is_checked():
     assert tuning.group_gemm_tile_m(65536, 128, 3072, 4096, jnp.bfloat16, 8) == 8
+    assert tuning.group_gemm_tile_m(8, 128, 30, 40, jnp.float32, 256) == 256  # the handler falls back
     with pytest.raises(ValueError, match="tile_m"):
         tuning.group_gemm_tile_m(8, 8, 8, 8, jnp.bfloat16, 48)
 
@@ -43,6 +62,29 @@ def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
         assert pick(40_000) == 32 and pick(10**7) == 32
         # another problem or dtype: the rule
         assert tuning.group_gemm_tile_m(10, 16, 96, 64, jnp.float16) == tuning.default_tile_m(10, 16)
+    finally:
+        tuning.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("usable", [False, True])
+def test_table_answer_128_yields_to_sm90(tmp_path, monkeypatch, usable):
+    kind = "Fake GPU 9000"
+    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
+    table = {"device": kind, "group_gemm": {key: [[16, 64], [1024, 128], [4096, 32], [65536, 128]]}}
+    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
+    tuning.load_table.cache_clear()
+    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
+    monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: usable)
+    try:
+        pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
+        assert pick(16) == 64
+        assert pick(1024) == 128                      # 64 rows per expert: below SM90_MIN_ROWS
+        assert pick(4096) == 32                       # a table answer other than 128 stands
+        assert pick(65536) == (256 if usable else 128)  # 4096 rows per expert
+        assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.bfloat16, 128) == 128  # explicit
+        # not in the table: the rule, told whether the kernel is usable
+        assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.float16) == (256 if usable else 128)
     finally:
         tuning.load_table.cache_clear()
 

@@ -1,7 +1,8 @@
 // Steps 4 and 6 on the CPU: out[rows of group e] = x[rows of e] @ w[e]^T,
 // f32 accumulation. Rows past sum(expert_sizes) are zero. With `gather`, row r
 // of the input is x[rows[r] / topk] (zero when out of range), as in step 3.
-// tile_m is a CUDA tuning knob: checked, otherwise unused here.
+// tile_m is a CUDA tuning knob: checked, otherwise unused here, and so is the
+// scratch output (the CUDA sm90 path's workspace).
 #include <algorithm>
 #include <vector>
 
@@ -55,7 +56,7 @@ void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes, const
 ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
                         bool gather, int64_t topk, int64_t tile_m,
-                        ffi::Result<ffi::AnyBuffer> out) {
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*scratch*/) {
   GemmDims d;
   if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
       err.failure())
@@ -78,6 +79,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
                                   .Attr<bool>("gather")
                                   .Attr<int64_t>("topk")
                                   .Attr<int64_t>("tile_m")
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()    // out
+                                  .Ret<ffi::AnyBuffer>());  // scratch (unused here)
 
 }  // namespace jax_moe

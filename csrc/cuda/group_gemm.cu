@@ -20,7 +20,7 @@
 //  * bf16/f16 with tile_m = 8 (decode: a handful of rows per expert): the
 //    "skinny" kernel streams each expert's weights once with 16-byte loads
 //    straight into mma registers (swap-AB: weight rows are the mma's M side,
-//    the <= 8 token rows its N side), K split over 4 warps and summed in a
+//    the <= 8 token rows its N side), K split over 8 warps and summed in a
 //    fixed order. Needs K % 8 == 0 and 16-byte aligned x and w; otherwise
 //    the BM = 32 kernel runs instead.
 //  * Fused gather (step 3): with `gather`, row r of the GEMM input is
@@ -32,6 +32,11 @@
 //  * Edges: 16-byte loads/stores only where the row is 16-byte aligned and the
 //    whole vector is in bounds; everything else goes element by element with
 //    zero fill, so any M, N, K (odd ones too) is safe.
+//  * tile_m = 256 asks for the Hopper kernel (group_gemm_sm90.cu, CUTLASS
+//    wgmma + TMA, built when JAX_MOE_WITH_SM90): used when it applies (a
+//    compute capability 9.0 device, bf16/f16, N and K multiples of 8, the
+//    scratch output sized for it), else the 128-row tile runs instead: the
+//    same results up to the order of the K sums.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -45,6 +50,9 @@
 #include "ffi_common.h"
 #include "ops.h"
 #include "shape_checks.h"
+#ifdef JAX_MOE_WITH_SM90
+#include "cuda/group_gemm_sm90.h"
+#endif
 
 namespace jax_moe {
 namespace {
@@ -748,7 +756,8 @@ cudaError_t LaunchMma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
 }
 
 // Launches the kernel for one dtype and tile on `stream`; nothing else (no
-// sync, no allocation). m > 0 and n > 0. tile_m is 8, 32, 64 or 128 (checked).
+// sync, no allocation). m > 0 and n > 0. tile_m is 8, 32, 64 or 128 (256 is
+// resolved by the caller).
 template <ffi::DataType DT>
 cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
                             const int32_t* sizes, void* out, const GemmDims& d,
@@ -794,19 +803,49 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
   }
 }
 
+// `scratch` (bytes) is only used by the sm90 path (tile_m = 256).
 ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
                          bool gather, int64_t topk, int64_t tile_m,
-                         ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch) {
   GemmDims d;
   if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
+    const int32_t* row_src = gather ? rows.typed_data() : nullptr;
+#ifdef JAX_MOE_WITH_SM90
+    if constexpr (DT != ffi::DataType::F32) {
+      if (tile_m == 256) {
+        Sm90GemmCall call{};
+        call.stream = stream;
+        call.bf16 = DT == ffi::DataType::BF16;
+        call.x = x.untyped_data();
+        call.w = w.untyped_data();
+        call.sizes = expert_sizes.typed_data();
+        call.rows = row_src;
+        call.topk = topk;
+        call.out = out->untyped_data();
+        call.m = d.m;
+        call.n = d.n;
+        call.k = d.k;
+        call.groups = d.groups;
+        call.x_rows = d.x_rows;
+        call.scratch = scratch->untyped_data();
+        call.scratch_bytes = scratch->size_bytes();
+        bool ran = false;
+        const cudaError_t err = GroupGemmSm90(call, &ran);
+        if (err != cudaSuccess)
+          return ffi::Error::Internal(std::string("jax_moe: group_gemm (sm90) launch failed: ") +
+                                      cudaGetErrorString(err));
+        if (ran) return ffi::Error::Success();
+      }
+    }
+#endif
     const cudaError_t err = LaunchGroupGemm<DT>(
         stream, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
-        out->untyped_data(), d, gather ? rows.typed_data() : nullptr, topk, tile_m);
+        out->untyped_data(), d, row_src, topk, tile_m == 256 ? 128 : tile_m);
     if (err != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_moe: group_gemm launch failed: ") +
                                   cudaGetErrorString(err));
@@ -826,7 +865,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCuda, GroupGemmCuda,
                                   .Attr<bool>("gather")
                                   .Attr<int64_t>("topk")
                                   .Attr<int64_t>("tile_m")
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()   // out
+                                  .Ret<ffi::AnyBuffer>(),  // scratch (u8)
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

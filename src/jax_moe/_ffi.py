@@ -17,6 +17,9 @@ except ImportError as exc:  # pragma: no cover - only when the build is missing
 
 INDEX_CHUNK: int = int(_ext.INDEX_CHUNK)
 HAS_CUDA: bool = bool(_ext.has_cuda)
+# The CUTLASS sm90 grouped GEMM (group_gemm's tile_m=256) was built: CUDA on
+# and CUTLASS's headers (the nvidia-cutlass wheel) present at build time.
+HAS_SM90_GEMM: bool = bool(getattr(_ext, "HAS_SM90_GEMM", False))
 
 
 @functools.cache

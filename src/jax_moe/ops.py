@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks, tuning
-from jax_moe._ffi import INDEX_CHUNK
+from jax_moe._ffi import INDEX_CHUNK, _ext
 
 __all__ = [
     "route",
@@ -111,13 +111,24 @@ def moe_expand_input(x, dst_to_src, topk: int):
 
 
 def _group_gemm_call(x, w, expert_sizes, rows, topk, tile_m, m):
-    tile = tuning.group_gemm_tile_m(m, w.shape[0], w.shape[1], w.shape[2], x.dtype, tile_m)
-    call = jax.ffi.ffi_call(
-        "jax_moe_group_gemm", _sds((m, w.shape[1]), x.dtype), vmap_method="sequential")
+    experts, n, k = w.shape
+    tile = tuning.group_gemm_tile_m(m, experts, n, k, x.dtype, tile_m)
     gather = rows is not None
+    # The sm90 kernel's device-side group arrays, CUTLASS workspace and (with
+    # a gather) expanded rows live in a second output: an XLA buffer keeps a
+    # fixed address in a recorded CUDA graph, where memory from the FFI
+    # scratch allocator would be freed when the handler returns. Empty
+    # wherever that kernel will not run.
+    scratch = (_ext.group_gemm_sm90_scratch_bytes(m, k, experts, gather)
+               if tile == tuning.SM90_TILE and m > 0 and experts > 0
+               and tuning.sm90_usable(n, k, x.dtype) else 0)
+    call = jax.ffi.ffi_call(
+        "jax_moe_group_gemm", (_sds((m, n), x.dtype), _sds((scratch,), jnp.uint8)),
+        vmap_method="sequential")
     rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
-    return call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
-                topk=np.int64(topk), tile_m=np.int64(tile))
+    out, _ = call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
+                  topk=np.int64(topk), tile_m=np.int64(tile))
+    return out
 
 
 def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
@@ -126,7 +137,9 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     expert_sizes (E,) -> (M, N) in x's dtype; rows past sum(expert_sizes) are 0.
 
     tile_m (CUDA only; None = the tuning table's or the heuristic's choice, see
-    jax_moe.tuning): rows per tile, 8 (the decode kernel), 32, 64 or 128."""
+    jax_moe.tuning): rows per tile, 8 (the decode kernel), 32, 64 or 128 (the
+    mma.sync tile kernel), or 256: the CUTLASS sm90 kernel on compute
+    capability 9.0 GPUs for bf16/f16 with N and K multiples of 8, else 128."""
     _checks.group_gemm_args(x, w, expert_sizes)
     return _group_gemm_call(x, w, expert_sizes, None, 1, tile_m, x.shape[0])
 

@@ -4,10 +4,11 @@
 
 For each model shape (H, I, E, k) it times both expert GEMMs of the layer
 (gate/up: N = 2I, K = H; down: N = H, K = I) at M = T * k rows for every
-token count T, with every tile_m, under random top-k routings (several,
-rotated per call), and keeps the fastest tile per M. The JSON it writes is
-what jax_moe.tuning reads: put it in jax_moe/tuning_tables/<device kind>.json
-(or point JAX_MOE_TUNING_DIR at its folder).
+token count T, with every tile_m (256 only where the sm90 kernel runs),
+under random top-k routings (several, rotated per call), and keeps the
+fastest tile per M. The JSON it writes is what jax_moe.tuning reads: put it
+in jax_moe/tuning_tables/<device kind>.json (or point JAX_MOE_TUNING_DIR at
+its folder).
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ def main(argv=None) -> int:
                 x = jax.random.normal(kx, (m, kk), jnp.float32).astype(dtype)
                 sizes = _sizes(kr, t, e, k)
                 # The decode tile re-reads an expert's weights per 8 rows: not
-                # a candidate once experts average more than 32 rows.
-                tiles = [tl for tl in tuning.TILE_M if tl != 8 or m <= 32 * e]
+                # a candidate once experts average more than 32 rows. 256 only
+                # where the sm90 kernel runs (elsewhere it is 128 again).
+                tiles = [tl for tl in tuning.TILE_M if (tl != 8 or m <= 32 * e) and
+                         (tl != tuning.SM90_TILE or tuning.sm90_usable(n, kk, dtype))]
                 us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
                       for tile in tiles}
                 best = min(us, key=us.get)

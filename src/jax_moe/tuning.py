@@ -5,12 +5,26 @@ compute capability) through the extension. ``group_gemm_tile_m`` picks the
 GEMM's rows per tile at trace time: from the table of the GPU model JAX runs
 on (``tuning_tables/<device kind>.json``, written by ``python -m
 jax_moe.tune``) when it lists the problem, else by a rule on the average
-number of rows per expert.
+number of rows per expert (``default_tile_m``).
 
-Results are bitwise reproducible run to run for any choice. The tensor-core
+tile_m = 256 is the CUTLASS sm90 kernel (wgmma + TMA, csrc/cuda/
+group_gemm_sm90.cu). It is picked, by the rule or over the table, when all of
+these hold (``sm90_usable``): the extension has it (``HAS_SM90_GEMM``), JAX's
+default backend is a GPU and device 0 has compute capability 9.0 (H100/H200:
+the kernel is sm_90a code), the dtype is bf16 or f16, N and K are multiples
+of 8 (TMA's 16-byte alignment), and experts average at least
+``SM90_MIN_ROWS`` = 128 rows. The table rule is simple on purpose: the
+shipped tables predate tile 256, so a table answer of 128 yields to 256 under
+those conditions, and any other table answer stands. Asked for explicitly
+where it cannot run, 256 runs the 128-row kernel.
+
+Results are bitwise reproducible run to run for any choice. The mma.sync
 tiles (32, 64, 128) give identical bits (each output sums K in the same
-order); the decode kernel (8) splits K over 4 warps and adds the partial sums
-in a fixed order, so it may differ from them in the last bits.
+order); the decode kernel (8) splits K over 8 warps and adds the partial sums
+in a fixed order, and the sm90 kernel (256) sums K in wgmma's order, so
+either may differ from the others in the last bits. The sm90 kernel stays
+deterministic because its persistent tile scheduler has no split-K or
+stream-K: one CTA computes each output tile over all of K in a fixed order.
 """
 
 from __future__ import annotations
@@ -25,12 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
-from jax_moe._ffi import _ext
+from jax_moe._ffi import HAS_SM90_GEMM, _ext
 
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
-           "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES"]
+           "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
+           "SM90_MIN_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable"]
 
 TILE_M = _checks.TILE_M
+SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
+SM90_MIN_ROWS = 128  # rows per expert (average) from which the rules pick it
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
 MODEL_SHAPES = {
@@ -52,17 +69,46 @@ def hardware(device: int = 0) -> dict | None:
     return _ext.device_info(device)
 
 
-def default_tile_m(m: int, experts: int) -> int:
+@functools.cache
+def _device0_is_sm90() -> bool:
+    hw = hardware()
+    return hw is not None and tuple(hw["compute_capability"]) == (9, 0)
+
+
+def sm90_device() -> bool:
+    """True when the sm90 kernel can run here: the extension has it
+    (HAS_SM90_GEMM), JAX's default backend is a GPU and CUDA device 0 has
+    compute capability 9.0. The device query is made once."""
+    return HAS_SM90_GEMM and _device_kind() is not None and _device0_is_sm90()
+
+
+def sm90_shape_ok(n: int, k: int, dtype) -> bool:
+    """The problems the sm90 kernel takes: bf16/f16, N and K multiples of 8
+    (16-byte rows for TMA), K > 0."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and n % 8 == 0 and k % 8 == 0 and k > 0)
+
+
+def sm90_usable(n: int, k: int, dtype) -> bool:
+    """sm90_device() and sm90_shape_ok(n, k, dtype)."""
+    return sm90_shape_ok(n, k, dtype) and sm90_device()
+
+
+def default_tile_m(m: int, experts: int, sm90: bool | None = None) -> int:
     """The rule used when no table has the problem, by average rows per
     expert (m / experts), fitted to the H200 table: up to 8, the decode
     kernel (it reads each touched expert's weights once, and an expert of
     more than 8 rows costs an extra pass over them, mostly from L2); up to
-    48, 64-row tiles; beyond, 128-row tiles. 32-row tiles never won there."""
+    48, 64-row tiles; beyond, 128-row tiles, or from SM90_MIN_ROWS the sm90
+    kernel (256) when `sm90` (None: sm90_device()). 32-row tiles never won
+    there."""
     avg = m / max(experts, 1)
     if avg <= 8:
         return 8
     if avg <= 48:
         return 64
+    if avg >= SM90_MIN_ROWS and (sm90_device() if sm90 is None else sm90):
+        return SM90_TILE
     return 128
 
 
@@ -112,12 +158,17 @@ def _device_kind() -> str | None:
 def group_gemm_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) -> int:
     """tile_m for a group_gemm of m rows, w (experts, n, k): the caller's
     choice when given, else the table entry whose m is nearest (log scale),
-    else default_tile_m. Trace-time only: no device work."""
+    else default_tile_m; an answer of 128 becomes 256 where the sm90 kernel
+    applies (see the module docstring). Trace-time only: no device work."""
     chosen = _checks.tile_m(tile_m)
     if chosen is not None:
         return chosen
+    sm90 = sm90_usable(n, k, dtype)
     kind = _device_kind()
     entries = load_table(kind).get(table_key(experts, n, k, dtype)) if kind else None
     if entries and m > 0:
-        return int(min(entries, key=lambda e: abs(math.log2(max(e[0], 1)) - math.log2(m)))[1])
-    return default_tile_m(m, experts)
+        tile = int(min(entries, key=lambda e: abs(math.log2(max(e[0], 1)) - math.log2(m)))[1])
+        if tile == 128 and sm90 and m / max(experts, 1) >= SM90_MIN_ROWS:
+            return SM90_TILE
+        return tile
+    return default_tile_m(m, experts, sm90=sm90)
