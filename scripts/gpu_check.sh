@@ -7,7 +7,8 @@
 #   bash scripts/gpu_check.sh [build] [test] [sanitize] [tune] [example] [bench] [attn]
 # Knobs: TESTS (pytest targets of `test`, default the whole suite),
 # SANITIZE_FILES (test files of `sanitize`, default every file with `sanitize`
-# marks), SANITIZE_TOOLS (default "memcheck"; e.g. "memcheck racecheck").
+# marks), SANITIZE_TOOLS (default "memcheck"; e.g. "memcheck racecheck"),
+# SANITIZE_K (a pytest -k expression narrowing the sanitize tests).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -8,7 +8,8 @@ the test that was running alone in a fresh process, then goes on with the
 rest. Exit 0 only when every test passed and no report has an error.
 
     cd tests && python3 ../scripts/run_sanitizer.py memcheck test_attention.py LOGDIR
-(PYTHONPATH pointing at the built package)
+(PYTHONPATH pointing at the built package; SANITIZE_K, if set, is a pytest -k
+expression narrowing the sanitize tests)
 """
 import os
 import re
@@ -50,8 +51,9 @@ def run(ids):
           f"report {'with errors' if BAD.search(text) else 'clean'}", flush=True)
     return rc, outcomes, BAD.search(text) is not None
 
+select = ["-k", os.environ["SANITIZE_K"]] if os.environ.get("SANITIZE_K") else []
 collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                          "no:cacheprovider", "-m", "sanitize", test_file],
+                          "no:cacheprovider", "-m", "sanitize", *select, test_file],
                          capture_output=True, text=True, env=env, cwd=root).stdout
 todo = [line.strip() for line in collect.splitlines() if "::" in line]
 passed, failed, crashed, dirty = [], [], [], False
