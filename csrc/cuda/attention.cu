@@ -160,6 +160,76 @@ __device__ __forceinline__ int64_t ClampLength(int32_t len, int64_t max_tokens) 
   return l < 0 ? 0 : (l > max_tokens ? max_tokens : l);
 }
 
+// Where one block of the split kernels works: sequence b, kv head kvh, query
+// heads h0 .. h0 + ng - 1 (one chunk of the GQA group), split sp holding the
+// tokens t0 .. t0 + ntok - 1.
+struct SplitBlock {
+  int64_t b, kvh, sp, t0, h0;
+  int ntok, ng;
+};
+
+// Fills `blk` for this block (heads per chunk: `rows`); false when its split
+// holds no token (the combine kernel never reads such a split). Otherwise
+// also stores the cache slot of each of the split's tokens in slot_of (-1: a
+// page id outside [0, num_pages), skipped); the caller syncs before reading.
+__device__ __forceinline__ bool SetupSplit(SplitBlock& blk, int rows,
+                                           const int32_t* __restrict__ table,
+                                           const int32_t* __restrict__ lengths, int64_t hkv,
+                                           int64_t group, int64_t head_chunks, int64_t num_pages,
+                                           int64_t page_size, int64_t max_pages, int split,
+                                           int32_t* slot_of) {
+  const int64_t chunk = blockIdx.x % head_chunks;
+  const int64_t bk = blockIdx.x / head_chunks;
+  blk.b = bk / hkv;
+  blk.kvh = bk % hkv;
+  blk.sp = blockIdx.y;
+  const int64_t len = ClampLength(lengths[blk.b], max_pages * page_size);
+  blk.t0 = blk.sp * split;
+  if (len <= blk.t0) return false;
+  blk.ntok = static_cast<int>(len - blk.t0 < split ? len - blk.t0 : split);
+  blk.ng = static_cast<int>(group - chunk * rows < rows ? group - chunk * rows : rows);
+  blk.h0 = blk.kvh * group + chunk * rows;
+  for (int i = threadIdx.x; i < blk.ntok; i += kDecodeThreads) {
+    const int64_t t = blk.t0 + i;
+    const int64_t page = table[blk.b * max_pages + t / page_size];
+    slot_of[i] = (page >= 0 && page < num_pages)
+                     ? static_cast<int32_t>(page * page_size + t % page_size) : -1;
+  }
+  return true;
+}
+
+// Merges the warps' softmax states, staged in shared memory as red[warp][row][D]
+// (unnormalised outputs), wm[warp][row] (running max; base 2 when kBase2) and
+// wsum[warp][row] (running sum), in warp order, and writes the split's partial
+// output and (max in natural log, sum) for the block's ng query heads.
+template <int kRows, int D, bool kBase2>
+__device__ __forceinline__ void StoreSplit(const float* red, const float* wm, const float* wsum,
+                                           const SplitBlock& blk, int64_t hq, int64_t num_splits,
+                                           float* __restrict__ part_out,
+                                           float* __restrict__ part_stats) {
+  for (int idx = threadIdx.x; idx < blk.ng * D; idx += kDecodeThreads) {
+    const int r = idx / D, e = idx % D;
+    float mx = wm[r];
+#pragma unroll
+    for (int w = 1; w < kDecodeWarps; ++w) mx = fmaxf(mx, wm[w * kRows + r]);
+    float acc = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float mw = wm[w * kRows + r];
+      // a warp without valid token: weight 0
+      const float a = mw == -INFINITY ? 0.f : (kBase2 ? exp2f(mw - mx) : expf(mw - mx));
+      acc += a * red[(w * kRows + r) * D + e];
+      sum += a * wsum[w * kRows + r];
+    }
+    const int64_t part = (blk.b * hq + blk.h0 + r) * num_splits + blk.sp;
+    part_out[part * D + e] = acc;
+    if (e == 0) {
+      part_stats[part * 2] = kBase2 ? mx * 0.6931471805599453f : mx;  // the combine's base e
+      part_stats[part * 2 + 1] = sum;
+    }
+  }
+}
+
 template <ffi::DataType DT>
 __device__ __forceinline__ void Unpack(const uint4& raw,
                                        float (&f)[16 / sizeof(typename DevScalar<DT>::T)]) {
@@ -203,26 +273,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int warp = tid / 32, wl = tid % 32;
   const int lane = wl % kTpt;  // lane within its token
   const int tg = wl / kTpt;    // token of the pass
-  const int64_t chunk = blockIdx.x % head_chunks;
-  const int64_t bk = blockIdx.x / head_chunks;
-  const int64_t b = bk / hkv;
-  const int64_t kvh = bk % hkv;
-  const int64_t sp = blockIdx.y;
-  const int64_t len = ClampLength(lengths[b], max_pages * page_size);
-  const int64_t t0 = sp * split;
-  if (len <= t0) return;  // no token here; the combine kernel never reads this split
-  const int ntok = static_cast<int>(len - t0 < split ? len - t0 : split);
-  const int ng = static_cast<int>(group - chunk * GC < GC ? group - chunk * GC : GC);
-  const int64_t h0 = kvh * group + chunk * GC;
-  const int64_t row = hkv * D;  // elements per cache slot
-  const int64_t col = kvh * D;  // this kv head's offset within a slot
-
-  for (int i = tid; i < ntok; i += kDecodeThreads) {
-    const int64_t t = t0 + i;
-    const int64_t page = table[b * max_pages + t / page_size];
-    slot_of[i] = (page >= 0 && page < num_pages)
-                     ? static_cast<int32_t>(page * page_size + t % page_size) : -1;
-  }
+  SplitBlock blk;
+  if (!SetupSplit(blk, GC, table, lengths, hkv, group, head_chunks, num_pages, page_size,
+                  max_pages, split, slot_of))
+    return;
+  const int64_t b = blk.b, h0 = blk.h0;
+  const int ntok = blk.ntok, ng = blk.ng;
+  const int64_t row = hkv * D;      // elements per cache slot
+  const int64_t col = blk.kvh * D;  // this kv head's offset within a slot
 
   // This lane's elements of q * scale for each head (0 for heads past ng).
   float qr[GC][kEpl];
@@ -394,26 +452,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < ng * D; idx += kDecodeThreads) {
-    const int g = idx / D, e = idx % D;
-    float mx = wm[g];
-#pragma unroll
-    for (int w = 1; w < kDecodeWarps; ++w) mx = fmaxf(mx, wm[w * GC + g]);
-    float o = 0.f, l = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
-      const float mw = wm[w * GC + g];
-      const float a = mw == -INFINITY ? 0.f : expf(mw - mx);  // a warp without valid token: 0
-      o += a * red[(w * GC + g) * D + e];
-      l += a * wsum[w * GC + g];
-    }
-    const int64_t part = (b * hq + h0 + g) * num_splits + sp;
-    part_out[part * D + e] = o;
-    if (e == 0) {
-      part_stats[part * 2] = mx;
-      part_stats[part * 2 + 1] = l;
-    }
-  }
+  StoreSplit<GC, D, false>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
 }
 
 // ---- bf16 / f16: tensor cores --------------------------------------------------
@@ -472,27 +511,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int tid = threadIdx.x;
   const int warp = tid / 32, wl = tid % 32;
   const int g = wl / 4, t = wl % 4;  // mma fragment coordinates
-  const int64_t chunk = blockIdx.x % head_chunks;
-  const int64_t bk = blockIdx.x / head_chunks;
-  const int64_t b = bk / hkv;
-  const int64_t kvh = bk % hkv;
-  const int64_t sp = blockIdx.y;
-  const int64_t len = ClampLength(lengths[b], max_pages * page_size);
-  const int64_t t0 = sp * split;
-  if (len <= t0) return;  // no token here; the combine kernel never reads this split
-  const int ntok = static_cast<int>(len - t0 < split ? len - t0 : split);
-  const int ng = static_cast<int>(group - chunk * kMmaRows < kMmaRows ? group - chunk * kMmaRows
-                                                                       : kMmaRows);
-  const int64_t h0 = kvh * group + chunk * kMmaRows;
-  const int64_t row = hkv * D;  // elements per cache slot
-  const int64_t col = kvh * D;  // this kv head's offset within a slot
-
-  for (int i = tid; i < ntok; i += kDecodeThreads) {
-    const int64_t tk = t0 + i;
-    const int64_t page = table[b * max_pages + tk / page_size];
-    slot_of[i] = (page >= 0 && page < num_pages)
-                     ? static_cast<int32_t>(page * page_size + tk % page_size) : -1;
-  }
+  SplitBlock blk;
+  if (!SetupSplit(blk, kMmaRows, table, lengths, hkv, group, head_chunks, num_pages, page_size,
+                  max_pages, split, slot_of))
+    return;
+  const int64_t b = blk.b, h0 = blk.h0;
+  const int ntok = blk.ntok, ng = blk.ng;
+  const int64_t row = hkv * D;      // elements per cache slot
+  const int64_t col = blk.kvh * D;  // this kv head's offset within a slot
 
   // q as the A operand of q K^T: rows g and g + 8 (query heads h0 + row),
   // columns 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide k step; rows past
@@ -650,26 +676,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < ng * D; idx += kDecodeThreads) {
-    const int r = idx / D, e = idx % D;
-    float mx = wm[r];
-#pragma unroll
-    for (int w = 1; w < kDecodeWarps; ++w) mx = fmaxf(mx, wm[w * kMmaRows + r]);
-    float acc = 0.f, sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
-      const float mw = wm[w * kMmaRows + r];
-      const float a = mw == -INFINITY ? 0.f : exp2f(mw - mx);  // a warp without valid token: 0
-      acc += a * red[(w * kMmaRows + r) * D + e];
-      sum += a * wsum[w * kMmaRows + r];
-    }
-    const int64_t part = (b * hq + h0 + r) * num_splits + sp;
-    part_out[part * D + e] = acc;
-    if (e == 0) {
-      part_stats[part * 2] = mx * 0.6931471805599453f;  // base 2 -> natural (the combine's)
-      part_stats[part * 2 + 1] = sum;
-    }
-  }
+  StoreSplit<kMmaRows, D, true>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
 }
 
 constexpr int kCombineThreads = 256;
@@ -751,57 +758,47 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-template <ffi::DataType DT, int D, int GC>
+// Launches a split kernel on a grid of (batch x kv heads x chunks of `rows`
+// query heads, splits) with ring_bytes + 4 bytes per split token of dynamic
+// shared memory (opted in up to max_smem), then the combine kernel.
+template <ffi::DataType DT, int D, auto Kernel>
 ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& kp,
                         const ffi::AnyBuffer& vp, const int32_t* table, const int32_t* lengths,
                         const DecodeDims& d, float scale, void* out, float* part_out,
-                        float* part_stats) {
+                        float* part_stats, int rows, int ring_bytes, int max_smem) {
   using T = typename DevScalar<DT>::T;
-  const int64_t head_chunks = (d.group + GC - 1) / GC;
+  const int64_t head_chunks = (d.group + rows - 1) / rows;
   const int64_t blocks = d.batch * d.hkv * head_chunks;
   if (blocks >= (int64_t{1} << 31))
     return InvalidArg("paged_decode: batch * kv heads * head chunks must be < 2^31");
   // The chunks of one (sequence, kv head) are neighbours on grid.x: they run
   // together and share the split's K/V through L2.
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(d.num_splits));
-  if (EnsureDynamicSmem<DecodeSplitKernel<DT, D, GC>>(kDecodeSmem) != cudaSuccess)
+  if (EnsureDynamicSmem<Kernel>(max_smem) != cudaSuccess)
     return LastCudaError("paged_decode shared memory opt-in");
-  const int smem = kRingBytes + static_cast<int>(d.split_tokens) * static_cast<int>(sizeof(int32_t));
-  DecodeSplitKernel<DT, D, GC><<<grid, kDecodeThreads, smem, stream>>>(
+  const int split = static_cast<int>(d.split_tokens);
+  const int smem = ring_bytes + split * static_cast<int>(sizeof(int32_t));
+  Kernel<<<grid, kDecodeThreads, smem, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
       static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
-      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, static_cast<int>(d.split_tokens), scale, part_out,
+      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, split, scale, part_out,
       part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
-  DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), kCombineThreads, 0, stream>>>(
-      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, d.split_tokens, static_cast<T*>(out));
+  const unsigned combine_blocks = static_cast<unsigned>(d.batch * d.hq);
+  DecodeCombineKernel<DT, D><<<combine_blocks, kCombineThreads, 0, stream>>>(
+      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, d.split_tokens,
+      static_cast<T*>(out));
   return LastCudaError("paged_decode combine launch");
 }
 
-template <ffi::DataType DT, int D>
-ffi::Error LaunchDecodeMma(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& kp,
-                           const ffi::AnyBuffer& vp, const int32_t* table, const int32_t* lengths,
-                           const DecodeDims& d, float scale, void* out, float* part_out,
-                           float* part_stats) {
-  using T = typename DevScalar<DT>::T;
-  const int64_t head_chunks = (d.group + kMmaRows - 1) / kMmaRows;
-  const int64_t blocks = d.batch * d.hkv * head_chunks;
-  if (blocks >= (int64_t{1} << 31))
-    return InvalidArg("paged_decode: batch * kv heads * head chunks must be < 2^31");
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(d.num_splits));
-  constexpr int kSmem = MmaDecode<D>::kSmem;
-  if (EnsureDynamicSmem<DecodeSplitMmaKernel<DT, D>>(kSmem) != cudaSuccess)
-    return LastCudaError("paged_decode shared memory opt-in");
-  const int smem = MmaDecode<D>::kRingBytes + static_cast<int>(d.split_tokens) * 4;
-  DecodeSplitMmaKernel<DT, D><<<grid, kDecodeThreads, smem, stream>>>(
-      static_cast<const T*>(q.untyped_data()), static_cast<const T*>(kp.untyped_data()),
-      static_cast<const T*>(vp.untyped_data()), table, lengths, d.hq, d.hkv, d.group,
-      head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, static_cast<int>(d.split_tokens), scale, part_out,
-      part_stats);
-  if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
-  DecodeCombineKernel<DT, D><<<static_cast<unsigned>(d.batch * d.hq), kCombineThreads, 0, stream>>>(
-      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, d.split_tokens, static_cast<T*>(out));
-  return LastCudaError("paged_decode combine launch");
+template <ffi::DataType DT, int D, int GC>
+ffi::Error LaunchDecodeSimt(cudaStream_t stream, const ffi::AnyBuffer& q,
+                            const ffi::AnyBuffer& kp, const ffi::AnyBuffer& vp,
+                            const int32_t* table, const int32_t* lengths, const DecodeDims& d,
+                            float scale, void* out, float* part_out, float* part_stats) {
+  return LaunchDecode<DT, D, DecodeSplitKernel<DT, D, GC>>(
+      stream, q, kp, vp, table, lengths, d, scale, out, part_out, part_stats, GC, kRingBytes,
+      kDecodeSmem);
 }
 
 // bf16/f16 run the tensor-core kernel (16 heads per block). f32 runs the
@@ -815,20 +812,21 @@ ffi::Error DispatchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ff
                           float* part_stats) {
   static_assert(kMaxHeadsPerBlock == 8, "dispatch below");
   if constexpr (DT != ffi::DataType::F32) {  // 16-bit types: the tensor-core kernel
-    return LaunchDecodeMma<DT, D>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                  part_stats);
+    return LaunchDecode<DT, D, DecodeSplitMmaKernel<DT, D>>(
+        stream, q, kp, vp, table, lengths, d, scale, out, part_out, part_stats, kMmaRows,
+        MmaDecode<D>::kRingBytes, MmaDecode<D>::kSmem);
   } else {
     if (d.group <= 1)
-      return LaunchDecode<DT, D, 1>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                    part_stats);
+      return LaunchDecodeSimt<DT, D, 1>(stream, q, kp, vp, table, lengths, d, scale, out,
+                                        part_out, part_stats);
     if (d.group <= 2)
-      return LaunchDecode<DT, D, 2>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                    part_stats);
+      return LaunchDecodeSimt<DT, D, 2>(stream, q, kp, vp, table, lengths, d, scale, out,
+                                        part_out, part_stats);
     if (d.group <= 4)
-      return LaunchDecode<DT, D, 4>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                    part_stats);
-    return LaunchDecode<DT, D, 8>(stream, q, kp, vp, table, lengths, d, scale, out, part_out,
-                                  part_stats);
+      return LaunchDecodeSimt<DT, D, 4>(stream, q, kp, vp, table, lengths, d, scale, out,
+                                        part_out, part_stats);
+    return LaunchDecodeSimt<DT, D, 8>(stream, q, kp, vp, table, lengths, d, scale, out,
+                                      part_out, part_stats);
   }
 }
 

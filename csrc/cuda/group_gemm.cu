@@ -719,22 +719,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Opting in to more than 48 KB of dynamic shared memory is a per-device
-// function attribute, not a stream operation: do it once per device and kernel.
-template <typename T, int BM, int BN>
-cudaError_t EnsureSmem16() {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(GroupGemm16Kernel<T, BM, BN>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, MmaTile<BM, BN>::kSmem);
-  if (err == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_acq_rel);
-  return err;
-}
-
 // Fills the schedule part of `a` for tiles of bm x bn; returns the grid size.
 inline unsigned Schedule(GemmArgs& a, int64_t groups, int64_t bm, int64_t bn) {
   a.num_experts = groups;
@@ -747,7 +731,8 @@ inline unsigned Schedule(GemmArgs& a, int64_t groups, int64_t bm, int64_t bn) {
 template <typename T, int BM, int BN>
 cudaError_t LaunchMma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
                       const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups) {
-  const cudaError_t attr = EnsureSmem16<T, BM, BN>();
+  const cudaError_t attr =
+      EnsureDynamicSmem<GroupGemm16Kernel<T, BM, BN>>(MmaTile<BM, BN>::kSmem);
   if (attr != cudaSuccess) return attr;
   const unsigned grid = Schedule(a, groups, BM, BN);
   GroupGemm16Kernel<T, BM, BN>
