@@ -591,6 +591,10 @@ def test_fill_rows_errors():
         attention.fill_rows(jnp.zeros((3, 2), jnp.int32), 1, 0)
     with pytest.raises(ValueError, match="leading row axis"):
         attention.fill_rows(jnp.zeros((), jnp.float32), 0, 0)
+    with pytest.raises(ValueError, match="start must be a scalar"):
+        attention.fill_rows(jnp.zeros((3, 2)), jnp.zeros((2,), jnp.int32), 0)
+    with pytest.raises(ValueError, match="poison must be a scalar"):
+        attention.fill_rows(jnp.zeros((3, 2)), 1, jnp.zeros((1,), bool))
 
 
 # ---- GPU: the CUDA handlers against the CPU ones ----------------------------

@@ -232,6 +232,9 @@ def fill_rows(x, start, poison):
     _checks.float_dtype(x, "x")
     if x.ndim < 1:
         raise ValueError(f"x must have a leading row axis, got shape {x.shape}")
+    for name, v in (("start", start), ("poison", poison)):
+        if jnp.ndim(v) != 0:
+            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")
     ctrl = jnp.stack([jnp.asarray(start).astype(jnp.int32), jnp.asarray(poison).astype(jnp.int32)])
     call = jax.ffi.ffi_call("jax_moe_fill_rows", _sds(x.shape, x.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
