@@ -36,3 +36,7 @@ if [ -n "${PROFILE_DECODE:-}" ]; then  # e.g. PROFILE_DECODE="64 4096"
     python3 scripts/profile_decode.py $PROFILE_DECODE > $L/ncu_decode.txt 2>&1
   echo "=== ncu decode (exit $?)"; grep -vE "^[WE][0-9]{4} " $L/ncu_decode.txt | tail -120
 fi
+if [ -n "${PREFILL_HLO:-}" ]; then  # e.g. PREFILL_HLO="1 4096": copies around fill_rows?
+  PYTHONPATH=/tmp/jax_moe_site timeout 120 python3 scripts/prefill_hlo.py $PREFILL_HLO > $L/prefill_hlo.txt 2>&1
+  echo "=== prefill HLO (exit $?)"; grep -vE "^[WE][0-9]{4} " $L/prefill_hlo.txt | tail -40
+fi
