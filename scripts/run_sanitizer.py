@@ -54,8 +54,14 @@ def run(ids):
 select = ["-k", os.environ["SANITIZE_K"]] if os.environ.get("SANITIZE_K") else []
 collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
                           "no:cacheprovider", "-m", "sanitize", *select, test_file],
-                         capture_output=True, text=True, env=env, cwd=root).stdout
-todo = [line.strip() for line in collect.splitlines() if "::" in line]
+                         capture_output=True, text=True, env=env, cwd=root)
+if collect.returncode == 5:  # a file or -k expression that selects nothing: say so, not a failure
+    print(f"{tool} {test_file}: no sanitize tests selected")
+    sys.exit(0)
+if collect.returncode != 0:
+    print(f"{tool} {test_file}: collection failed\n{collect.stdout[-2000:]}{collect.stderr[-2000:]}")
+    sys.exit(1)
+todo = [line.strip() for line in collect.stdout.splitlines() if "::" in line]
 passed, failed, crashed, dirty = [], [], [], False
 while todo:
     rc, outcomes, bad = run(todo)
