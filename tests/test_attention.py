@@ -662,3 +662,16 @@ def test_sanitize_decode_edges(rng, case):
     sl = jnp.asarray([kp.shape[0] * 16 - 1, kp.shape[0] * 16], jnp.int32)  # last slot, one past
     nk, nv = jax.jit(attention.write_kv)(kp, vp, k, k, sl)
     assert_equal(nk, ref_write_kv(kp, vp, k, k, sl)[0], "write_kv edge")
+
+
+def test_decode_rejects_caches_past_int32_slots():
+    """The kernels index cache slots with int32: a cache of 2**31 slots or
+    more is rejected at trace time (shapes only, nothing allocated)."""
+    q = jax.ShapeDtypeStruct((1, 2, 64), jnp.bfloat16)
+    kp = jax.ShapeDtypeStruct((1 << 27, 16, 1, 64), jnp.bfloat16)
+    pt = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    ln = jax.ShapeDtypeStruct((1,), jnp.int32)
+    with pytest.raises(ValueError, match="int32"):
+        jax.eval_shape(attention.paged_decode_attention, q, kp, kp, pt, ln)
+    ok = jax.ShapeDtypeStruct(((1 << 27) - 1, 16, 1, 64), jnp.bfloat16)
+    assert jax.eval_shape(attention.paged_decode_attention, q, ok, ok, pt, ln).shape == (1, 2, 64)
