@@ -65,6 +65,13 @@ def dense_impls(on_gpu: bool):
     return ("xla", "cudnn") if on_gpu else ("xla",)
 
 
+def _max_err(out, want):
+    """Max |out - want| (want: the dense XLA yardstick as f32 numpy, or None)."""
+    if want is None:
+        return None
+    return float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
+
+
 def _failed(what, exc):
     msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
     print(f"  {what} failed: {msg}")
@@ -103,11 +110,9 @@ def bench_decode(b, length, heads, dtype, calls, repeats, on_gpu, rng, decode_sp
         try:
             sec = time_loop(dense(impl), q, (k, v, lengths), calls, repeats)
             out = jax.jit(dense(impl))(q, k, v, lengths)
+            err = _max_err(out, want)  # None for the yardstick itself
             if impl == "xla":
                 want = np.asarray(out.astype(jnp.float32))
-                err = None  # the yardstick itself
-            else:
-                err = float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
             row(f"dense {impl}", sec, err)
         except Exception as exc:  # noqa: BLE001 - cuDNN may refuse a shape: recorded
             _failed(f"decode {case} dense {impl}", exc)
@@ -134,7 +139,7 @@ def bench_decode(b, length, heads, dtype, calls, repeats, on_gpu, rng, decode_sp
 
             sec = time_loop(step, q, (k_pages, v_pages, table, lengths), calls, repeats)
             out = jax.jit(step)(q, k_pages, v_pages, table, lengths)
-            err = None if want is None else float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
+            err = _max_err(out, want)
             row(f"paged ps={ps} split={auto if split is None else split}"
                 f"{' (auto)' if split is None else ''}", sec, err)
         del k_pages, v_pages
@@ -162,50 +167,34 @@ def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
              "tflops": None if sec is None else flops / sec / 1e12, "max_abs_err_vs_xla": err}
         rows.append(r)
 
-    def max_err(out, want):
-        if want is None:
-            return None
-        return float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want)))
-
     # Dense XLA first: the yardstick the other outputs are compared with.
+    # With lengths (an argument, as in the max_seqlen path), cuDNN's padding
+    # mask (all sequences full here): its own cost, before any work of that path.
     def dense(impl):
-        def step(x, k, v):
+        def step(x, k, v, lens=None):
             o = jax.nn.dot_product_attention(x.reshape(b, per, hq, d), k.reshape(b, per, hkv, d),
                                              v.reshape(b, per, hkv, d), is_causal=True,
+                                             query_seq_lengths=lens, key_value_seq_lengths=lens,
                                              implementation=impl)
             return o.reshape(s, hq, d)
         return step
 
     want = None
-    for impl in dense_impls(on_gpu):
+    dense_rows = [(f"dense padded {impl}", impl, (k, v)) for impl in dense_impls(on_gpu)]
+    if on_gpu:
+        dense_rows.append(("dense padded cudnn + seq lengths", "cudnn",
+                           (k, v, jnp.full((b,), per, jnp.int32))))
+    for name, impl, args in dense_rows:
         try:
-            sec = time_loop(dense(impl), q, (k, v), calls, repeats)
-            out = jax.jit(dense(impl))(q, k, v)
-            err = max_err(out, want)
+            sec = time_loop(dense(impl), q, args, calls, repeats)
+            out = jax.jit(dense(impl))(q, *args)
+            err = _max_err(out, want)
             if impl == "xla":
                 want = np.asarray(out.astype(jnp.float32))
-            row(f"dense padded {impl}", sec, err)
+            row(name, sec, err)
         except Exception as exc:  # noqa: BLE001 - cuDNN may refuse a shape: recorded
-            _failed(f"prefill {case} dense {impl}", exc)
-            row(f"dense padded {impl}", None)
-    if on_gpu:
-        # cuDNN's own cost of sequence lengths (all full here): what the
-        # max_seqlen path adds to dense cuDNN before any of its own work.
-        lens = jnp.full((b,), per, jnp.int32)
-
-        def dense_lengths(x, k, v, lens):
-            o = jax.nn.dot_product_attention(
-                x.reshape(b, per, hq, d), k.reshape(b, per, hkv, d), v.reshape(b, per, hkv, d),
-                is_causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens,
-                implementation="cudnn")
-            return o.reshape(s, hq, d)
-        try:
-            sec = time_loop(dense_lengths, q, (k, v, lens), calls, repeats)
-            row("dense padded cudnn + seq lengths", sec,
-                max_err(jax.jit(dense_lengths)(q, k, v, lens), want))
-        except Exception as exc:  # noqa: BLE001 - recorded
-            _failed(f"prefill {case} dense cudnn + seq lengths", exc)
-            row("dense padded cudnn + seq lengths", None)
+            _failed(f"prefill {case} {name}", exc)
+            row(name, None)
 
     # The packed batch three ways on the default implementation: the (N, N)
     # segment mask; max_seqlen = S/B (N == B * max_seqlen: a reshape into the
@@ -223,7 +212,7 @@ def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
             return attention.prefill_attention(x, k, v, cu, causal=True, **kw)
         try:
             sec = time_loop(step, q, (k, v, cu), calls, repeats)
-            row(name, sec, max_err(jax.jit(step)(q, k, v, cu), want))
+            row(name, sec, _max_err(jax.jit(step)(q, k, v, cu), want))
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the N x N mask: recorded
             _failed(f"prefill {case} {name}", exc)
             row(name, None)
