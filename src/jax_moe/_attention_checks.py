@@ -16,8 +16,8 @@ HEAD_DIMS = (64, 128, 256)
 # The CUDA decode kernel puts its splits on grid.y (<= 65535); with the
 # default splits of >= 256 tokens, the same bound holds on every platform
 # (csrc/attention_checks.h).
-MAX_DECODE_TOKENS = 65535 * 256
 MAX_DECODE_SPLITS = 65535
+MAX_DECODE_TOKENS = MAX_DECODE_SPLITS * 256
 # Split sizes the decode kernel accepts (kDecodeSplitUnit, kDecodeMaxSplitTokens
 # in csrc/attention_checks.h; a test checks that the extension agrees).
 DECODE_SPLIT_UNIT = 64
