@@ -147,7 +147,7 @@ def test_write_kv_in_place_with_donation(rng):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("page_size", [16, 32, 64])
-# 3: heads idle in a block; 12: two blocks of 8 (f32), 20: two of 16 (bf16/f16)
+# 3: heads idle in a block; 12: two blocks of 8, 20: three
 @pytest.mark.parametrize("gqa", [1, 3, 4, 8, 12, 20])
 def test_decode_matches_reference_and_numpy(rng, dtype, page_size, gqa):
     d = int(rng.choice([64, 128, 256]))

@@ -8,7 +8,7 @@
 //     streams tiles of the split's K and V rows through a cp.async ring in
 //     shared memory and keeps an online softmax for all the chunk's heads
 //     (K/V read once, not once per head); the warps merge in order. bf16/f16:
-//     DecodeSplitMmaKernel (tensor cores, up to 16 heads per block); f32:
+//     DecodeSplitMmaKernel (tensor cores, 8 heads per block); f32:
 //     DecodeSplitKernel (SIMT, up to 8). Per head: the split's max m and sum
 //     l of exp(score - m) and the unnormalised sum of exp(score - m) * V,
 //     written to the scratch outputs part_stats (B, Hq, S, 2) and part_out
@@ -458,28 +458,31 @@ __global__ void __launch_bounds__(kDecodeThreads)
 // ---- bf16 / f16: tensor cores --------------------------------------------------
 //
 // The same split as DecodeSplitKernel, with both products on mma.sync
-// m16n8k16 (FlashAttention-2's register layout): per warp tile of 16 tokens,
-// S (16 query rows x 16 tokens) = q K^T, then O (16 x D) += P V with P
-// rounded to the input type (the f32 SIMT version spent most of its time in
-// FMAs, conversions and shuffles and could not keep HBM busy). The 16 rows
-// are up to 16 query heads of one GQA group; rows past the group are zero q
-// and never written. K/V tiles stream through a per-warp cp.async ring, rows
-// stored with 16-byte chunks XOR-swizzled by row so that ldmatrix is free of
-// bank conflicts.
-constexpr int kMmaRows = 16;    // query heads per block
+// m16n8k16 and the query heads on the n side (8 of them), so that no
+// accumulator is spent on rows a GQA group does not have: per warp tile of 16
+// tokens, S^T (16 tokens x 8 heads) = K q^T, then O^T (D x 8 heads) += V^T P^T
+// with P rounded to the input type. P goes from the accumulator layout of S^T
+// to the B operand layout through 256 bytes of shared memory per warp. K/V
+// tiles stream through a per-warp cp.async ring, rows stored with 16-byte
+// chunks XOR-swizzled by row so that ldmatrix is free of bank conflicts.
+constexpr int kMmaRows = 8;     // query heads per block (the mma's n)
 constexpr int kMmaTokens = 16;  // tokens per warp tile
 
 template <int D>
 struct MmaDecode {
   static constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
-  static constexpr int kStages = D > 128 ? 2 : 3;
+  // Two stages (one tile in flight while the warp computes on the other)
+  // keep the ring small enough for 3 blocks per SM at D = 128.
+  static constexpr int kStages = D > 64 ? 2 : 3;
   static constexpr int kTileVecs = kMmaTokens * kChunks;  // chunks per tile and tensor
   static constexpr int kLoads = kTileVecs / 32;           // cp.async per lane, tile and tensor
   static constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kTileVecs * 16;
+  static constexpr int kPBytes = kMmaTokens * kMmaRows * 2;  // P of one warp, [token][head]
+  static constexpr int kFixedBytes = kRingBytes + kDecodeWarps * kPBytes;  // before slot_of
   static constexpr int kSmem =
-      kRingBytes + kDecodeMaxSplitTokens * static_cast<int>(sizeof(int32_t));
-  static constexpr int kKSteps = D / 16;  // k steps of q K^T
-  static constexpr int kDTiles = D / 8;   // n tiles of P V
+      kFixedBytes + kDecodeMaxSplitTokens * static_cast<int>(sizeof(int32_t));
+  static constexpr int kKSteps = D / 16;  // k steps of K q^T
+  static constexpr int kMTiles = D / 16;  // m tiles of V^T P^T
   static_assert(kChunks >= 8 && kTileVecs % 32 == 0 &&
                     kDecodeSplitUnit % (kDecodeWarps * kMmaTokens) == 0, "layout");
   static_assert(kDecodeWarps * kMmaRows * (D + 2) * 4 <= kRingBytes, "merge fits the ring");
@@ -506,7 +509,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kChunks = C::kChunks, kStages = C::kStages, kTileVecs = C::kTileVecs;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [warp][stage][K | V][kTileVecs]
-  int32_t* slot_of = reinterpret_cast<int32_t*>(smem + C::kRingBytes);  // -1: skipped token
+  int32_t* slot_of = reinterpret_cast<int32_t*>(smem + C::kFixedBytes);  // -1: skipped token
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, wl = tid % 32;
@@ -519,19 +522,19 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int ntok = blk.ntok, ng = blk.ng;
   const int64_t row = hkv * D;      // elements per cache slot
   const int64_t col = blk.kvh * D;  // this kv head's offset within a slot
+  // This warp's P buffer: 16 rows (tokens) of 8 heads, 16 bytes each.
+  unsigned char* pbuf = smem + C::kRingBytes + warp * C::kPBytes;
 
-  // q as the A operand of q K^T: rows g and g + 8 (query heads h0 + row),
-  // columns 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide k step; rows past
-  // the group are zero.
-  uint32_t qa[C::kKSteps][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = g + 8 * h;
-    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (b * hq + h0 + r) * D);
+  // q as the B operand of K q^T: column n = query head h0 + g (0 past the
+  // chunk's heads), rows 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide k step.
+  uint32_t qb[C::kKSteps][2];
+  {
+    const bool ok = g < ng;
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (b * hq + h0 + (ok ? g : 0)) * D);
 #pragma unroll
     for (int ks = 0; ks < C::kKSteps; ++ks) {
-      qa[ks][h] = r < ng ? __ldg(qr + 8 * ks + t) : 0u;
-      qa[ks][2 + h] = r < ng ? __ldg(qr + 8 * ks + 4 + t) : 0u;
+      qb[ks][0] = ok ? __ldg(qr + 8 * ks + t) : 0u;
+      qb[ks][1] = ok ? __ldg(qr + 8 * ks + 4 + t) : 0u;
     }
   }
   __syncthreads();  // slot_of visible
@@ -562,11 +565,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
     CpAsyncCommit();
   };
 
-  // Running softmax state of rows g (h = 0) and g + 8 (h = 1); o[j] holds
-  // columns 8j + 2t, +1 of both rows (the mma accumulator layout).
-  float o[C::kDTiles][4];
+  // Running softmax state of heads 2t (h = 0) and 2t + 1 (h = 1); o[j] holds
+  // rows (d) 16j + g and 16j + g + 8 of both heads (the accumulator layout).
+  float o[C::kMTiles][4];
 #pragma unroll
-  for (int j = 0; j < C::kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  for (int j = 0; j < C::kMTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int mi = wl / 8, mr = wl % 8;  // the ldmatrix matrix and row this lane addresses
   const float scale2 = scale * 1.4426950408889634f;  // scale * log2(e)
@@ -581,98 +584,92 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const uint4* sv = sk + kTileVecs;
     const int base = (warp + i * kDecodeWarps) * kMmaTokens;
 
-    // S = q K^T: s[n] holds tokens 8n + 2t, +1 of rows g (0, 1) and g + 8 (2, 3).
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // S^T = K q^T: s holds tokens g (0, 1) and g + 8 (2, 3) of heads 2t, 2t + 1.
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int ks = 0; ks < C::kKSteps; ++ks) {
-      uint32_t kb[4];  // matrices: tokens 0-7 / 8-15 (mi / 2) x d chunk 2ks / 2ks + 1 (mi % 2)
-      Ldmatrix4(kb, sk + Swz<kChunks>((mi >> 1) * 8 + mr, 2 * ks + (mi & 1)));
-      Mma16816<T>(s[0], qa[ks], kb[0], kb[1]);
-      Mma16816<T>(s[1], qa[ks], kb[2], kb[3]);
+      uint32_t ka[4];  // matrices: tokens 0-7 / 8-15 (mi % 2) x d chunk 2ks / 2ks + 1 (mi / 2)
+      Ldmatrix4(ka, sk + Swz<kChunks>((mi & 1) * 8 + mr, 2 * ks + (mi >> 1)));
+      Mma16816<T>(s, ka, qb[ks][0], qb[ks][1]);
     }
-    // Online softmax per row, in base 2 (scores times scale * log2(e), so
-    // that each exponential is one ex2): skipped tokens -inf; the tile's row
-    // max over the row's 4 lanes (exact, so the same in each).
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = base + 8 * n + 2 * t + e;
-        const bool ok = tok < ntok && slot_of[tok] >= 0;
-        s[n][e] = ok ? s[n][e] * scale2 : -INFINITY;
-        s[n][2 + e] = ok ? s[n][2 + e] * scale2 : -INFINITY;
-      }
-    }
+    // Online softmax per head, in base 2 (scores times scale * log2(e)):
+    // skipped tokens -inf; the tile's max over the 8 lanes of a head pair.
+    const bool ok0 = base + g < ntok && slot_of[base + g] >= 0;
+    const bool ok1 = base + g + 8 < ntok && slot_of[base + g + 8] >= 0;
+    s[0] = ok0 ? s[0] * scale2 : -INFINITY;
+    s[1] = ok0 ? s[1] * scale2 : -INFINITY;
+    s[2] = ok1 ? s[2] * scale2 : -INFINITY;
+    s[3] = ok1 ? s[3] * scale2 : -INFINITY;
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mt = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+      float mt = fmaxf(s[h], s[2 + h]);
+#pragma unroll
+      for (int x = 4; x < 32; x <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, x));
       const float mn = fmaxf(m[h], mt);
       alpha[h] = mn == m[h] ? 1.f : exp2f(m[h] - mn);  // m = -inf: 2^-inf = 0
       m[h] = mn;
       l[h] *= alpha[h];
     }
-    // Rescale the outputs only when some row's max grew (rare after the
-    // first tiles): a warp-uniform branch over 2 x kDTiles x 2 multiplies.
+    // Rescale the outputs only when some head's max grew (rare after the
+    // first tiles): a warp-uniform branch.
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int j = 0; j < C::kDTiles; ++j) {
+      for (int j = 0; j < C::kMTiles; ++j) {
         o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
+        o[j][1] *= alpha[1];
+        o[j][2] *= alpha[0];
         o[j][3] *= alpha[1];
       }
     }
-    uint32_t pa[4];  // P as the A operand of P V
+    float p[4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float p[2][2];
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = s[n][2 * h + e];
-          p[n][e] = x == -INFINITY ? 0.f : exp2f(x - m[h]);
-          l[h] += p[n][e];
-        }
-      }
-      pa[h] = PackFloat2<T>(p[0][0], p[0][1]);      // tokens 2t, +1
-      pa[2 + h] = PackFloat2<T>(p[1][0], p[1][1]);  // tokens 8 + 2t, +1
+    for (int e = 0; e < 4; ++e) {
+      p[e] = s[e] == -INFINITY ? 0.f : exp2f(s[e] - m[e & 1]);
+      l[e & 1] += p[e];
     }
-    // O += P V.
+    // P^T as the B operand of V^T P^T: through shared memory as [token][head]
+    // (the accumulator gives each lane two heads of a token; the operand
+    // wants two tokens of a head), then ldmatrix.trans.
+    uint32_t* p32 = reinterpret_cast<uint32_t*>(pbuf);
+    p32[g * 4 + t] = PackFloat2<T>(p[0], p[1]);
+    p32[(g + 8) * 4 + t] = PackFloat2<T>(p[2], p[3]);
+    __syncwarp();
+    uint32_t pb[2];
+    Ldmatrix2Trans(pb, pbuf + (wl % 16) * 16);
+    // O^T += V^T P^T.
 #pragma unroll
-    for (int jj = 0; jj < C::kDTiles / 2; ++jj) {
-      uint32_t vb[4];  // matrices: tokens 0-7 / 8-15 (mi % 2) x d chunk 2jj / 2jj + 1 (mi / 2)
-      Ldmatrix4Trans(vb, sv + Swz<kChunks>((mi & 1) * 8 + mr, 2 * jj + (mi >> 1)));
-      Mma16816<T>(o[2 * jj], pa, vb[0], vb[1]);
-      Mma16816<T>(o[2 * jj + 1], pa, vb[2], vb[3]);
+    for (int j = 0; j < C::kMTiles; ++j) {
+      uint32_t va[4];  // matrices: tokens 0-7 / 8-15 (mi / 2) x d chunk 2j / 2j + 1 (mi % 2)
+      Ldmatrix4Trans(va, sv + Swz<kChunks>((mi >> 1) * 8 + mr, 2 * j + (mi & 1)));
+      Mma16816<T>(o[j], va, pb[0], pb[1]);
     }
-    __syncwarp();  // every lane done with stage i % kStages before it is refilled
+    __syncwarp();  // every lane done with stage i % kStages and pbuf before they are refilled
   }
   CpAsyncWait<0>();  // only empty groups remain; nothing may land after the merge starts
 
-  // Row sums over the row's 4 lanes, then merge the warps through shared
-  // memory (the ring is free), in warp order.
+  // Head sums over the 8 lanes of a head pair, then merge the warps through
+  // shared memory (the ring is free), in warp order.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
   }
   __syncthreads();  // every warp is out of the ring
-  float* red = reinterpret_cast<float*>(smem);  // [warp][row][D]
-  float* wm = red + kDecodeWarps * kMmaRows * D;  // [warp][row]: running max
-  float* wsum = wm + kDecodeWarps * kMmaRows;     // [warp][row]: running sum
+  float* red = reinterpret_cast<float*>(smem);    // [warp][head][D]
+  float* wm = red + kDecodeWarps * kMmaRows * D;  // [warp][head]: running max
+  float* wsum = wm + kDecodeWarps * kMmaRows;     // [warp][head]: running sum
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float* dst = red + (warp * kMmaRows + g + 8 * h) * D + 2 * t;
+    float* dst = red + (warp * kMmaRows + 2 * t + h) * D + g;
 #pragma unroll
-    for (int j = 0; j < C::kDTiles; ++j)
-      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
-    if (t == 0) {
-      wm[warp * kMmaRows + g + 8 * h] = m[h];
-      wsum[warp * kMmaRows + g + 8 * h] = l[h];
+    for (int j = 0; j < C::kMTiles; ++j) {
+      dst[16 * j] = o[j][h];
+      dst[16 * j + 8] = o[j][2 + h];
+    }
+    if (g == 0) {
+      wm[warp * kMmaRows + 2 * t + h] = m[h];
+      wsum[warp * kMmaRows + 2 * t + h] = l[h];
     }
   }
   __syncthreads();
@@ -801,7 +798,7 @@ ffi::Error LaunchDecodeSimt(cudaStream_t stream, const ffi::AnyBuffer& q,
       kDecodeSmem);
 }
 
-// bf16/f16 run the tensor-core kernel (16 heads per block). f32 runs the
+// bf16/f16 run the tensor-core kernel (8 heads per block). f32 runs the
 // SIMT kernel with heads per block the smallest power of two covering the
 // group, at most kMaxHeadsPerBlock (registers hold GC x (elements per lane) of
 // q and of the output; a non power of two leaves the last heads idle).
@@ -814,7 +811,7 @@ ffi::Error DispatchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ff
   if constexpr (DT != ffi::DataType::F32) {  // 16-bit types: the tensor-core kernel
     return LaunchDecode<DT, D, DecodeSplitMmaKernel<DT, D>>(
         stream, q, kp, vp, table, lengths, d, scale, out, part_out, part_stats, kMmaRows,
-        MmaDecode<D>::kRingBytes, MmaDecode<D>::kSmem);
+        MmaDecode<D>::kFixedBytes, MmaDecode<D>::kSmem);
   } else {
     if (d.group <= 1)
       return LaunchDecodeSimt<DT, D, 1>(stream, q, kp, vp, table, lengths, d, scale, out,

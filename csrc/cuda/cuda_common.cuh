@@ -99,6 +99,16 @@ __device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* sme
                : "r"(s));
 }
 
+// Two 8x8 b16 matrices, transposed; lanes 8i..8i+7 give the row addresses of
+// matrix i (lanes 16..31 are ignored), and register i returns rows
+// 2*(lane%4)..+1, column lane/4 of matrix i.
+__device__ __forceinline__ void Ldmatrix2Trans(uint32_t (&r)[2], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(s));
+}
+
 template <typename T>
 __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {

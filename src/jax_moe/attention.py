@@ -59,9 +59,9 @@ def decode_num_splits(max_pages_per_seq: int, page_size: int, split_tokens: int)
 
 def decode_split_tokens(batch: int, q_heads: int, kv_heads: int, capacity: int, dtype) -> int:
     """The automatic split_tokens of paged_decode_attention (static: from
-    shapes only). Blocks of the CUDA kernel: batch x kv heads x chunks of 16
-    query heads (8 for f32) of a GQA group x splits."""
-    rows = 8 if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else 16
+    shapes only). Blocks of the CUDA kernel: batch x kv heads x chunks of 8
+    query heads of a GQA group x splits."""
+    rows = 8
     chunks = kv_heads * -(-(q_heads // max(kv_heads, 1)) // rows)
     split = 256
     while (split < DECODE_MAX_SPLIT_TOKENS and split < capacity
