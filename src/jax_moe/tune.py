@@ -44,12 +44,13 @@ def time_gemm(x, w, sizes, tile_m, calls, repeats) -> float:
     @jax.jit
     def loop(x, w, sizes):
         # Straight-line (a Python loop): XLA's GPU while loop would check its
-        # condition on the host every trip.
-        acc = jnp.float32(0)
+        # condition on the host every trip. Each call's input carries one
+        # element of the previous call's output: calls with the same routing
+        # would otherwise be identical, and XLA would run them once (CSE).
         for i in range(calls):
             out = ops.group_gemm(x, w, sizes[i % sizes.shape[0]], tile_m=tile_m)
-            acc = acc + out[0, 0].astype(jnp.float32)
-        return acc
+            x = x.at[0, 0].set(out[0, 0])
+        return x[0, 0]
 
     loop(x, w, sizes).block_until_ready()
     times = []
@@ -69,6 +70,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiles", nargs="*", type=int, default=list(tuning.TILE_M),
+                   choices=list(tuning.TILE_M),
+                   help="tile_m candidates to time (default: all; a subset writes a "
+                        "table that only knows those)")
     args = p.parse_args(argv)
 
     dev = jax.devices()[0]
@@ -92,8 +97,11 @@ def main(argv=None) -> int:
                 # The decode tile re-reads an expert's weights per 8 rows: not
                 # a candidate once experts average more than 32 rows. 256 only
                 # where the sm90 kernel runs (elsewhere it is 128 again).
-                tiles = [tl for tl in tuning.TILE_M if (tl != 8 or m <= 32 * e) and
+                tiles = [tl for tl in args.tiles if (tl != 8 or m <= 32 * e) and
                          (tl != tuning.SM90_TILE or tuning.sm90_usable(n, kk, dtype))]
+                if not tiles:
+                    print(f"{name:16s} {tkey:28s} M={m:6d} no candidate tile", flush=True)
+                    continue
                 us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
                       for tile in tiles}
                 best = min(us, key=us.get)
