@@ -464,14 +464,16 @@ half_dtypes = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=
 
 # Where the sm90 kernel switches paths: M off its 128-row tiles; N and K odd
 # multiples of 8 (TMA's 16-byte rows) around its 64-deep k tile and its
-# 128/256-column tiles; E > M; experts averaging >= 512 rows with N >= 256
+# 128/256-column tiles; E > M; experts averaging >= 256 rows with N >= 256
 # (the 128x256 tile on a 2-CTA cluster, else 128x128 on one CTA).
 SM90_SHAPES = [  # (M, K, N, E)
     (1, 64, 72, 4),        # one row
     (77, 8, 8, 16),        # K = N = 8: a sliver of one k tile and one column tile; E > M
     (300, 200, 136, 3),    # K = 25*8, N = 17*8
     (1000, 136, 264, 16),  # ~62 rows per expert: several 128x128 tiles, N past 256
-    (2100, 200, 264, 4),   # ~525 rows per expert, N >= 256: the 128x256 cluster kernel
+    (1020, 200, 264, 4),   # 255 rows per expert: still 128x128
+    (1024, 200, 264, 4),   # 256 rows per expert, N >= 256: the 128x256 cluster kernel
+    (2100, 200, 264, 4),   # ~525 rows per expert: the cluster kernel
 ]
 
 

@@ -15,12 +15,15 @@ def test_default_rule_by_rows_per_expert(sm90):
     rule = lambda m, e: tuning.default_tile_m(m, e, sm90=sm90)  # noqa: E731
     assert rule(8, 128) == 8          # decode: T=1, k=8
     assert rule(128, 128) == 8        # T=16, k=8: one row per expert
-    assert rule(1024, 128) == 8       # T=128: ~8 rows per expert
-    assert rule(8192, 256) == 64      # T=1024, DeepSeek-V3: ~32 rows
-    assert rule(8192, 128) == 128     # T=1024: ~64 rows
-    # T=2048 and 8192: 128 and 512 rows per expert, the sm90 kernel where it runs
-    assert rule(16384, 128) == (256 if sm90 else 128)
-    assert rule(65536, 128) == (256 if sm90 else 128)
+    assert rule(1024, 128) == 8       # T=128: 8 rows per expert
+    # above 8 rows per expert the sm90 kernel where it runs, else mma.sync
+    # tiles: 64 rows up to 48 rows per expert, 128 beyond
+    assert rule(1025, 128) == (256 if sm90 else 64)
+    assert rule(8192, 256) == (256 if sm90 else 64)    # T=1024, DeepSeek-V3: 32 rows
+    assert rule(6144, 128) == (256 if sm90 else 64)    # 48 rows
+    assert rule(6145, 128) == (256 if sm90 else 128)
+    assert rule(8192, 128) == (256 if sm90 else 128)   # T=1024: 64 rows
+    assert rule(65536, 128) == (256 if sm90 else 128)  # T=8192: 512 rows
     tiles = [rule(m, 64) for m in (1, 10, 100, 1000, 10_000, 100_000)]
     assert tiles == sorted(tiles)  # never a smaller tile for more rows
 
@@ -70,7 +73,8 @@ def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
 def test_table_answer_128_yields_to_sm90(tmp_path, monkeypatch, usable):
     kind = "Fake GPU 9000"
     key = tuning.table_key(16, 96, 64, jnp.bfloat16)
-    table = {"device": kind, "group_gemm": {key: [[16, 64], [1024, 128], [4096, 32], [65536, 128]]}}
+    table = {"device": kind, "group_gemm": {key: [[16, 64], [128, 128], [1024, 128], [4096, 32],
+                                                  [65536, 128]]}}
     monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
     (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
     tuning.load_table.cache_clear()
@@ -79,7 +83,8 @@ def test_table_answer_128_yields_to_sm90(tmp_path, monkeypatch, usable):
     try:
         pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
         assert pick(16) == 64
-        assert pick(1024) == 128                      # 64 rows per expert: below SM90_MIN_ROWS
+        assert pick(128) == 128                       # 8 rows per expert: not above DECODE_MAX_ROWS
+        assert pick(1024) == (256 if usable else 128)  # 64 rows per expert
         assert pick(4096) == 32                       # a table answer other than 128 stands
         assert pick(65536) == (256 if usable else 128)  # 4096 rows per expert
         assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.bfloat16, 128) == 128  # explicit

@@ -27,9 +27,11 @@
 //    experts get an M = 0 problem, which the group tile scheduler skips.
 //  * Tiles: 128x128x64 on one CTA for moderate rows per expert, 128x256x64 on
 //    a 2x1 cluster (the weight tile multicast to both CTAs) once experts
-//    average >= 512 rows and N >= 256 (its cluster pairs M tiles, which
-//    wastes up to a tile per expert when experts are short). Measured on
-//    the H200 at 512 rows per expert: 506 and 591 TFLOP/s (DESIGN notes).
+//    average >= kWideRows rows and N >= 256 (its cluster pairs M tiles, which
+//    wastes up to a tile per expert when experts are short). H200 at 512
+//    rows per expert: 506 and 591 TFLOP/s (DESIGN notes); at 256 rows (run O,
+//    2026-11-29) the wide tiles were 3-9% faster on the four GEMMs measured
+//    (DeepSeek-V3 T=8192, Mixtral T=1024); at 32 rows they were never used.
 //    The persistent group scheduler has no split-K or stream-K: each output
 //    is summed by one CTA in a fixed K order, so results are bitwise
 //    reproducible run to run (but not equal to the mma.sync tiles' bits).
@@ -73,6 +75,7 @@ constexpr int kMaxSms = 144;
 constexpr size_t kScratchAlign = 256;  // every scratch section, and the base
 constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 256;
+constexpr int64_t kWideRows = 256;  // rows per expert (average) from which the wide tiles run
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using ShapeMNK = ProblemShape::UnderlyingProblemShape;
@@ -363,7 +366,7 @@ cudaError_t GroupGemmSm90(const Sm90GemmCall& c, bool* ran) {
     return cudaSuccess;
   int dev = 0, sms = 0;
   if (!UsableDevice(&dev, &sms)) return cudaSuccess;
-  const bool wide = c.m >= 512 * c.groups && c.n >= 256;
+  const bool wide = c.m >= kWideRows * c.groups && c.n >= 256;
   if (c.bf16) {
     return wide ? RunSm90<WideGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
                 : RunSm90<NarrowGemm<cutlass::bfloat16_t>>(c, dev, sms, ran);

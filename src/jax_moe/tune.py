@@ -6,7 +6,9 @@ For each model shape (H, I, E, k) it times both expert GEMMs of the layer
 (gate/up: N = 2I, K = H; down: N = H, K = I) at M = T * k rows for every
 token count T, with every tile_m (256 only where the sm90 kernel runs),
 under random top-k routings (several, rotated per call), and keeps the
-fastest tile per M. The JSON it writes is what jax_moe.tuning reads: put it
+fastest tile per M (``best_tile``: the rule's own choice, tuning.default_tile_m,
+stays unless another tile is more than NOISE faster; at small M a call's fixed
+costs hide the kernels' differences and noise would pick at random). The JSON it writes is what jax_moe.tuning reads: put it
 in jax_moe/tuning_tables/<device kind>.json (or point JAX_MOE_TUNING_DIR at
 its folder).
 """
@@ -29,6 +31,13 @@ from jax_moe import ops, reference, tuning
 SHAPES = tuning.MODEL_SHAPES  # name: (H, I, E, k)
 TOKENS = (1, 16, 128, 1024, 8192)
 ROUTINGS = 4
+NOISE = 0.03  # relative margin a tile must beat the rule's choice by
+
+
+def best_tile(us: dict, rule: int) -> int:
+    """The fastest tile of {tile: µs}, or `rule` when it is within NOISE."""
+    best = min(us, key=us.get)
+    return rule if rule in us and us[rule] <= (1 + NOISE) * us[best] else best
 
 
 def _sizes(key, tokens, experts, topk):
@@ -104,7 +113,8 @@ def main(argv=None) -> int:
                     continue
                 us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
                       for tile in tiles}
-                best = min(us, key=us.get)
+                best = best_tile(us, tuning.default_tile_m(
+                    m, e, sm90=tuning.sm90_usable(n, kk, dtype)))
                 entries.append([m, best])
                 per_m[m] = us
                 print(f"{name:16s} {tkey:28s} M={m:6d} " +

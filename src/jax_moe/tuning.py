@@ -12,11 +12,12 @@ group_gemm_sm90.cu). It is picked, by the rule or over the table, when all of
 these hold (``sm90_usable``): the extension has it (``HAS_SM90_GEMM``), JAX's
 default backend is a GPU and device 0 has compute capability 9.0 (H100/H200:
 the kernel is sm_90a code), the dtype is bf16 or f16, N and K are multiples
-of 8 (TMA's 16-byte alignment), and experts average at least
-``SM90_MIN_ROWS`` = 128 rows. The table rule is simple on purpose: the
-shipped tables predate tile 256, so a table answer of 128 yields to 256 under
-those conditions, and any other table answer stands. Asked for explicitly
-where it cannot run, 256 runs the 128-row kernel.
+of 8 (TMA's 16-byte alignment), and experts average more than
+``DECODE_MAX_ROWS`` = 8 rows (below, the decode kernel reads the weights
+fewer times). Tables written before tile 256 existed answer 128 where it
+would run: such an answer yields to 256 under those conditions, and any
+other table answer stands. Asked for explicitly where it cannot run, 256
+runs the 128-row kernel.
 
 Results are bitwise reproducible run to run for any choice. The mma.sync
 tiles (32, 64, 128) give identical bits (each output sums K in the same
@@ -43,11 +44,16 @@ from jax_moe._ffi import HAS_SM90_GEMM, _ext
 
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
            "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
-           "SM90_MIN_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable"]
+           "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable"]
 
 TILE_M = _checks.TILE_M
 SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
-SM90_MIN_ROWS = 128  # rows per expert (average) from which the rules pick it
+# Rows per expert (average) up to which the rule picks the decode kernel (8);
+# above, the sm90 kernel where usable. H200, run O (2026-11-29): at 1 to 8
+# rows per expert the decode kernel won 7 of the 8 GEMMs of the four model
+# shapes, at 32 to 64 rows the sm90 kernel won all 8, by 1.5-1.8x over the
+# best mma.sync tile.
+DECODE_MAX_ROWS = 8
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
 MODEL_SHAPES = {
@@ -96,19 +102,19 @@ def sm90_usable(n: int, k: int, dtype) -> bool:
 
 def default_tile_m(m: int, experts: int, sm90: bool | None = None) -> int:
     """The rule used when no table has the problem, by average rows per
-    expert (m / experts), fitted to the H200 table: up to 8, the decode
-    kernel (it reads each touched expert's weights once, and an expert of
-    more than 8 rows costs an extra pass over them, mostly from L2); up to
-    48, 64-row tiles; beyond, 128-row tiles, or from SM90_MIN_ROWS the sm90
-    kernel (256) when `sm90` (None: sm90_device()). 32-row tiles never won
-    there."""
+    expert (m / experts), fitted to the H200 tables: up to DECODE_MAX_ROWS,
+    the decode kernel (it reads each touched expert's weights once, and an
+    expert of more than 8 rows costs an extra pass over them, mostly from
+    L2); above, the sm90 kernel (256) when `sm90` (None: sm90_device()),
+    else 64-row tiles up to 48 rows and 128-row tiles beyond (32-row tiles
+    never won)."""
     avg = m / max(experts, 1)
-    if avg <= 8:
+    if avg <= DECODE_MAX_ROWS:
         return 8
+    if sm90_device() if sm90 is None else sm90:
+        return SM90_TILE
     if avg <= 48:
         return 64
-    if avg >= SM90_MIN_ROWS and (sm90_device() if sm90 is None else sm90):
-        return SM90_TILE
     return 128
 
 
@@ -168,7 +174,7 @@ def group_gemm_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) 
     entries = load_table(kind).get(table_key(experts, n, k, dtype)) if kind else None
     if entries and m > 0:
         tile = int(min(entries, key=lambda e: abs(math.log2(max(e[0], 1)) - math.log2(m)))[1])
-        if tile == 128 and sm90 and m / max(experts, 1) >= SM90_MIN_ROWS:
+        if tile == 128 and sm90 and m / max(experts, 1) > DECODE_MAX_ROWS:
             return SM90_TILE
         return tile
     return default_tile_m(m, experts, sm90=sm90)
