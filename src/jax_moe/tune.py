@@ -6,11 +6,12 @@ For each model shape (H, I, E, k) it times both expert GEMMs of the layer
 (gate/up: N = 2I, K = H; down: N = H, K = I) at M = T * k rows for every
 token count T, with every tile_m (256 only where the sm90 kernel runs),
 under random top-k routings (several, rotated per call), and keeps the
-fastest tile per M (``best_tile``: the rule's own choice, tuning.default_tile_m,
-stays unless another tile is more than NOISE faster; at small M a call's fixed
-costs hide the kernels' differences and noise would pick at random). The JSON it writes is what jax_moe.tuning reads: put it
-in jax_moe/tuning_tables/<device kind>.json (or point JAX_MOE_TUNING_DIR at
-its folder).
+fastest tile per M (``best_tile``: the rule's own choice,
+tuning.default_tile_m, stays unless another tile is more than NOISE faster;
+at small M a call's fixed costs hide the kernels' differences, and noise
+would pick at random). The JSON it writes is what jax_moe.tuning reads: put
+it in jax_moe/tuning_tables/<device kind>.json (or point JAX_MOE_TUNING_DIR
+at its folder).
 """
 
 from __future__ import annotations
@@ -47,20 +48,26 @@ def _sizes(key, tokens, experts, topk):
     return jax.vmap(lambda i: reference.moe_compute_token_index(i, experts)[2])(ids)
 
 
-def time_gemm(x, w, sizes, tile_m, calls, repeats) -> float:
-    """Median µs per group_gemm call over `repeats` jitted loops of `calls`."""
+def gemm_loop(tile_m: int, calls: int):
+    """The jitted program tune times: `calls` group_gemm calls, call i with
+    routing sizes[i % R]. Straight-line (a Python loop): XLA's GPU while loop
+    would check its condition on the host every trip. Each call's input
+    carries one element of the previous call's output: calls with the same
+    routing would otherwise be identical, and XLA would run them once (CSE)."""
 
     @jax.jit
     def loop(x, w, sizes):
-        # Straight-line (a Python loop): XLA's GPU while loop would check its
-        # condition on the host every trip. Each call's input carries one
-        # element of the previous call's output: calls with the same routing
-        # would otherwise be identical, and XLA would run them once (CSE).
         for i in range(calls):
             out = ops.group_gemm(x, w, sizes[i % sizes.shape[0]], tile_m=tile_m)
             x = x.at[0, 0].set(out[0, 0])
         return x[0, 0]
 
+    return loop
+
+
+def time_gemm(x, w, sizes, tile_m, calls, repeats) -> float:
+    """Median µs per group_gemm call over `repeats` runs of gemm_loop."""
+    loop = gemm_loop(tile_m, calls)
     loop(x, w, sizes).block_until_ready()
     times = []
     for _ in range(repeats):

@@ -49,10 +49,10 @@ __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "loa
 TILE_M = _checks.TILE_M
 SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
 # Rows per expert (average) up to which the rule picks the decode kernel (8);
-# above, the sm90 kernel where usable. H200, run O (2026-11-29): at 1 to 8
-# rows per expert the decode kernel won 7 of the 8 GEMMs of the four model
-# shapes, at 32 to 64 rows the sm90 kernel won all 8, by 1.5-1.8x over the
-# best mma.sync tile.
+# above, the sm90 kernel where usable. H200, run O (2026-11-29), the GEMMs of
+# the four model shapes: from 1 to 8 rows per expert the decode kernel won 11
+# of 12 (not Qwen3-30B-A3B's down projection at 8 rows); at 32 to 64 rows the
+# sm90 kernel won all 8, by 1.2-1.8x over the best mma.sync tile.
 DECODE_MAX_ROWS = 8
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
