@@ -105,6 +105,7 @@ def main(argv=None) -> int:
             key, kw, kx, kr = jax.random.split(key, 4)
             w = (jax.random.normal(kw, (e, n, kk), jnp.float32) * kk**-0.5).astype(dtype)
             tkey = tuning.table_key(e, n, kk, dtype)
+            sm90 = tuning.sm90_usable(n, kk, dtype)
             entries, per_m = [], {}
             for t in args.tokens:
                 m = t * k
@@ -114,14 +115,13 @@ def main(argv=None) -> int:
                 # a candidate once experts average more than 32 rows. 256 only
                 # where the sm90 kernel runs (elsewhere it is 128 again).
                 tiles = [tl for tl in args.tiles if (tl != 8 or m <= 32 * e) and
-                         (tl != tuning.SM90_TILE or tuning.sm90_usable(n, kk, dtype))]
+                         (tl != tuning.SM90_TILE or sm90)]
                 if not tiles:
                     print(f"{name:16s} {tkey:28s} M={m:6d} no candidate tile", flush=True)
                     continue
                 us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
                       for tile in tiles}
-                best = best_tile(us, tuning.default_tile_m(
-                    m, e, sm90=tuning.sm90_usable(n, kk, dtype)))
+                best = best_tile(us, tuning.default_tile_m(m, e, sm90=sm90))
                 entries.append([m, best])
                 per_m[m] = us
                 print(f"{name:16s} {tkey:28s} M={m:6d} " +
