@@ -46,6 +46,10 @@ def cache_args(k_pages, v_pages) -> None:
         raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}, got {v_pages.shape}")
     if k_pages.shape[1] < 1:
         raise ValueError(f"page_size (k_pages.shape[1]) must be >= 1, got {k_pages.shape[1]}")
+    num_slots = k_pages.shape[0] * k_pages.shape[1]
+    if num_slots >= 2**31:
+        raise ValueError(f"k_pages holds num_pages * page_size = {num_slots} slots; the kernels "
+                         "index slots with int32 (at most 2**31 - 1)")
 
 
 def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
@@ -64,8 +68,6 @@ def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must have N={k.shape[0]} entries, got {slot_mapping.shape[0]}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
-    if num_slots >= 2**31:
-        raise ValueError(f"num_pages * page_size = {num_slots} must be < 2^31 (int32 slots)")
     if _concrete(slot_mapping) and slot_mapping.shape[0]:
         s = np.asarray(slot_mapping).astype(np.int64)
         if int(s.max()) >= num_slots:
@@ -115,9 +117,6 @@ def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
         raise ValueError(f"page_table must have B={b} rows (q's batch), got {page_table.shape[0]}")
     if lengths.shape[0] != b:
         raise ValueError(f"lengths must have B={b} entries (q's batch), got {lengths.shape[0]}")
-    if num_pages * page_size >= 2**31:
-        raise ValueError(f"k_pages holds num_pages * page_size = {num_pages * page_size} slots; "
-                         "the decode kernel indexes slots with int32 (at most 2**31 - 1)")
     capacity = page_table.shape[1] * page_size
     if capacity > MAX_DECODE_TOKENS:
         raise ValueError(
