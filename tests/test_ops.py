@@ -453,6 +453,50 @@ def test_cuda_group_gemm_tiles_large(rng, tile_m):
                      f"CUDA tile_m={tile_m} m={m} vs CPU")
 
 
+# On the GPU the decode tile (8) runs persistent, one resident grid that walks
+# the tiles, when a launch has at least 4 waves of resident blocks (4 x 4 per
+# SM); TILE_SHAPES above are below that and run a block per tile. These have
+# over 5,000 blocks of 8 x 32 (enough up to ~300 SMs), with N off the 32
+# columns and K off the 32-element k step; E = 1100 is past the persistent
+# kernel's 1024 experts (the block-per-tile form runs).
+PERSIST_SHAPES = [(600, 72, 2000, 16), (1000, 128, 1030, 130), (3000, 8, 200, 1100)]
+
+
+@dtypes
+@pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
+@pytest.mark.parametrize("shape", PERSIST_SHAPES, ids=str)
+def test_group_gemm_decode_tile_persistent(rng, shape, pattern, dtype):
+    m, k, n, experts = shape
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
+    got = ops.group_gemm(x, w, sizes, tile_m=8)
+    assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"tile_m=8, sizes={sizes}")
+    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("sizes", list(BAD_SIZES.values()), ids=list(BAD_SIZES))
+def test_group_gemm_decode_tile_persistent_clamps_bad_sizes(rng, sizes):
+    # 64 rows, 4 experts, N = 9000: 13 m-slots x 282 column tiles, persistent.
+    x = normal(rng, (64, 24), jnp.bfloat16)
+    w = normal(rng, (4, 9000, 24), jnp.bfloat16, 0.2)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    assert_close(ops.group_gemm(x, w, sizes, tile_m=8), ref.group_gemm(x, w, sizes),
+                 jnp.bfloat16)
+
+
+@pytest.mark.sanitize
+def test_group_gemm_gather_decode_tile_persistent(rng):
+    tokens, k, n, experts, topk = 300, 72, 2000, 16, 4
+    x = normal(rng, (tokens, k), jnp.bfloat16)
+    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
+    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=8)
+    want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
+    assert_close(got, want, jnp.bfloat16, "gather, tile_m=8, persistent")
+
+
 # ------------------------------------------------- tile_m = 256: the sm90 kernel
 # On a compute capability 9.0 GPU (H100/H200) of a build with CUTLASS,
 # tile_m = 256 runs the CUTLASS wgmma/TMA kernel (csrc/cuda/group_gemm_sm90.cu)

@@ -151,6 +151,32 @@ cudaError_t EnsureDynamicSmem(int bytes) {
   return err;
 }
 
+// How many blocks of `Kernel` (kThreads threads, no dynamic shared memory)
+// the current device holds at once: occupancy x SM count, asked once per
+// device (not a stream operation: safe while XLA captures a command buffer).
+// 0 when the query fails.
+template <auto Kernel>
+int ResidentBlocks(int threads) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  int v = dev >= 0 && dev < kMaxDevices ? cache[dev].load(std::memory_order_acquire) : 0;
+  if (v == 0) {
+    int per_sm = 0, sms = 0;
+    const bool ok =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, 0) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+    cudaGetLastError();
+    v = ok && per_sm > 0 && sms > 0 ? per_sm * sms : -1;
+    if (dev >= 0 && dev < kMaxDevices) cache[dev].store(v, std::memory_order_release);
+  }
+  return v > 0 ? v : 0;
+}
+
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
 // Grid size capped at a fixed number of blocks; kernels stride over the rest.
