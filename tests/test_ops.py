@@ -454,11 +454,11 @@ def test_cuda_group_gemm_tiles_large(rng, tile_m):
 
 
 # On the GPU the decode tile (8) runs persistent, one resident grid that walks
-# the tiles, when a launch has at least 4 waves of resident blocks (4 x 4 per
-# SM); TILE_SHAPES above are below that and run a block per tile. These have
-# over 5,000 blocks of 8 x 32 (enough up to ~300 SMs), with N off the 32
-# columns and K off the 32-element k step; E = 1100 is past the persistent
-# kernel's 1024 experts (the block-per-tile form runs).
+# the tiles, when a launch has at least 6 waves of resident blocks (4 per SM);
+# TILE_SHAPES above are below that and run a block per tile. These have over
+# 5,000 blocks of 8 x 32 (enough up to ~200 SMs; the H200 has 132), with N off
+# the 32 columns and K off the 32-element k step; E = 1100 is past the
+# persistent kernel's 1024 experts (the block-per-tile form runs).
 PERSIST_SHAPES = [(600, 72, 2000, 16), (1000, 128, 1030, 130), (3000, 8, 200, 1100)]
 
 
@@ -478,9 +478,9 @@ def test_group_gemm_decode_tile_persistent(rng, shape, pattern, dtype):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("sizes", list(BAD_SIZES.values()), ids=list(BAD_SIZES))
 def test_group_gemm_decode_tile_persistent_clamps_bad_sizes(rng, sizes):
-    # 64 rows, 4 experts, N = 9000: 13 m-slots x 282 column tiles, persistent.
+    # 64 rows, 4 experts, N = 16000: 13 m-slots x 500 column tiles, persistent.
     x = normal(rng, (64, 24), jnp.bfloat16)
-    w = normal(rng, (4, 9000, 24), jnp.bfloat16, 0.2)
+    w = normal(rng, (4, 16000, 24), jnp.bfloat16, 0.2)
     sizes = jnp.asarray(sizes, jnp.int32)
     assert_close(ops.group_gemm(x, w, sizes, tile_m=8), ref.group_gemm(x, w, sizes),
                  jnp.bfloat16)
