@@ -1,0 +1,249 @@
+// The decode grouped GEMM (tile_m = 8) alone, on the decode-shaped GEMMs of
+// the issue-3 models, against a plain streaming read of the same bytes (the
+// bandwidth it could reach): the shipped dispatch and both of its forms
+// (block per tile, persistent) forced, checked against an f32 reference
+// kernel. Not part of the build; needs a GPU. From the repository root:
+//   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
+//     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
+//     scripts/decode_gemm_bench.cu -o /tmp/decode_gemm_bench && /tmp/decode_gemm_bench
+// Bytes are the weights of the experts the routing touches (mean over the
+// rotated routings); times are the median of 7 repeats of 20 launches.
+#include "../csrc/cuda/group_gemm.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace jax_moe {
+namespace {
+
+// ---- reference: one thread per output, f32.
+__global__ void RefKernel(const uint16_t* x, const uint16_t* w, const int32_t* sizes, int E,
+                          float* out, int64_t m, int64_t n, int64_t k) {
+  const int64_t id = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (id >= m * n) return;
+  const int64_t r = id / n, c = id % n;
+  int64_t start = 0;
+  int e = -1;
+  for (int i = 0; i < E; ++i) {
+    const int64_t s = sizes[i] > 0 ? sizes[i] : 0;
+    if (r < start + s) { e = i; break; }
+    start += s;
+  }
+  float v = 0.f;
+  if (e >= 0)
+    for (int64_t q = 0; q < k; ++q)
+      v += __bfloat162float(__ushort_as_bfloat16(x[r * k + q])) *
+           __bfloat162float(__ushort_as_bfloat16(w[(e * n + c) * k + q]));
+  out[id] = v;
+}
+
+// ---- read ceiling: stream `bytes` once.
+__global__ void StreamKernel(const uint4* p, int64_t n16, unsigned* sink) {
+  unsigned acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    const uint4 a = LdgStream(p + i), b = LdgStream(p + i + stride),
+                c = LdgStream(p + i + 2 * stride), d = LdgStream(p + i + 3 * stride);
+    acc ^= a.x ^ b.y ^ c.z ^ d.w;
+  }
+  for (; i < n16; i += stride) acc ^= LdgStream(p + i).x;
+  if (acc == 0x12345678u) *sink = acc;
+}
+
+#define CK(x)                                                                   \
+  do {                                                                          \
+    cudaError_t e_ = (x);                                                       \
+    if (e_ != cudaSuccess) {                                                    \
+      printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_));     \
+      exit(1);                                                                  \
+    }                                                                           \
+  } while (0)
+
+struct Case {
+  const char* name;
+  int E, N, K, T, topk;
+};
+
+using Launch = void (*)(const uint16_t*, const uint16_t*, const int32_t*, uint16_t*, int64_t,
+                        int64_t, int64_t, int64_t);
+
+enum class Form { kShipped, kBlock, kPersistent };
+
+template <Form F>
+void LaunchDecode(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out,
+                  int64_t m, int64_t n, int64_t k, int64_t groups) {
+  using T = __nv_bfloat16;
+  if (F == Form::kShipped) {
+    GemmDims d{};
+    d.m = m;
+    d.n = n;
+    d.k = k;
+    d.groups = groups;
+    d.x_rows = m;
+    LaunchGroupGemm<ffi::DataType::BF16>(0, x, w, sizes, out, d, nullptr, 1, 8);
+    return;
+  }
+  GemmArgs a{};
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.src = RowSource{nullptr, 1, m};
+  a.vec_in = a.vec_out = true;
+  const unsigned grid = Schedule(a, groups, 8, kSBN);
+  if (F == Form::kBlock) {
+    GroupGemmSkinnyKernel<T><<<grid, kThreads, 0>>>(x, w, sizes, out, a);
+  } else {
+    const int resident = ResidentBlocks<GroupGemmSkinnyPersistentKernel<T>>(kThreads);
+    GroupGemmSkinnyPersistentKernel<T><<<resident, kThreads, 0>>>(x, w, sizes, out, a);
+  }
+}
+
+struct Variant {
+  const char* name;
+  Launch fn;
+};
+
+}  // namespace
+}  // namespace jax_moe
+
+using namespace jax_moe;
+using B = __nv_bfloat16;
+
+int main() {
+  const Variant variants[] = {
+      {"shipped", LaunchDecode<Form::kShipped>},
+      {"block per tile", LaunchDecode<Form::kBlock>},
+      {"persistent", LaunchDecode<Form::kPersistent>},
+  };
+  const Case cases[] = {
+      {"q235 T16 up", 128, 3072, 4096, 16, 8},  {"q235 T16 dn", 128, 4096, 1536, 16, 8},
+      {"q235 T128 up", 128, 3072, 4096, 128, 8}, {"q235 T128 dn", 128, 4096, 1536, 128, 8},
+      {"ds T16 up", 256, 4096, 7168, 16, 8},     {"ds T16 dn", 256, 7168, 2048, 16, 8},
+      {"ds T128 up", 256, 4096, 7168, 128, 8},   {"ds T128 dn", 256, 7168, 2048, 128, 8},
+      {"q30 T1 up", 128, 1536, 2048, 1, 8},      {"q30 T16 up", 128, 1536, 2048, 16, 8},
+      {"q30 T1 dn", 128, 2048, 768, 1, 8},       {"q235 T1 up", 128, 3072, 4096, 1, 8},
+      {"q30 T128 up", 128, 1536, 2048, 128, 8},  {"q30 T128 dn", 128, 2048, 768, 128, 8},
+      {"mix T1 up", 8, 28672, 4096, 1, 2},       {"q235 T64 up", 128, 3072, 4096, 64, 8},
+  };
+  const int nvar = sizeof(variants) / sizeof(variants[0]);
+  const int kRot = 4, kCalls = 20, kReps = 7;
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4));
+  for (const Case& cs : cases) {
+    const int64_t wn = (int64_t)cs.E * cs.N * cs.K;
+    const int64_t m = (int64_t)cs.T * cs.topk;
+    uint16_t *w, *x, *out;
+    float* ref;
+    int32_t* sizes;
+    CK(cudaMalloc(&w, wn * 2));
+    CK(cudaMalloc(&x, m * cs.K * 2));
+    CK(cudaMalloc(&out, m * cs.N * 2));
+    CK(cudaMalloc(&ref, m * cs.N * 4));
+    CK(cudaMalloc(&sizes, kRot * cs.E * 4));
+    // Random bf16 in [-1, 1) by a hash kernel-free fill: host for x, a pattern for w.
+    {
+      std::vector<uint16_t> hx(m * cs.K);
+      std::mt19937 rng(1);
+      std::uniform_real_distribution<float> U(-1.f, 1.f);
+      for (auto& v : hx) v = __bfloat16_as_ushort(__float2bfloat16(U(rng)));
+      CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+      const int64_t chunk = 1 << 24;
+      std::vector<uint16_t> hw(chunk + 7000);
+      for (auto& v : hw) v = __bfloat16_as_ushort(__float2bfloat16(U(rng) * 0.05f));
+      for (int64_t o = 0; o < wn; o += chunk)
+        CK(cudaMemcpy(w + o, hw.data() + (o / chunk % 7) * 1000,
+                      std::min<int64_t>(chunk, wn - o) * 2, cudaMemcpyHostToDevice));
+    }
+    std::vector<int32_t> hs(kRot * cs.E, 0);
+    std::vector<int> active(kRot, 0);
+    std::mt19937 rr(7);
+    for (int r = 0; r < kRot; ++r) {
+      for (int tkn = 0; tkn < cs.T; ++tkn) {
+        std::vector<int> ids(cs.E);
+        for (int i = 0; i < cs.E; ++i) ids[i] = i;
+        for (int j = 0; j < cs.topk; ++j) {
+          std::uniform_int_distribution<int> D(j, cs.E - 1);
+          std::swap(ids[j], ids[D(rr)]);
+          hs[r * cs.E + ids[j]]++;
+        }
+      }
+      for (int i = 0; i < cs.E; ++i) active[r] += hs[r * cs.E + i] > 0;
+    }
+    CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+    double act = 0;
+    for (int r = 0; r < kRot; ++r) act += active[r];
+    act /= kRot;
+    const double bytes = act * cs.N * cs.K * 2.0;
+    // reference on rotation 0
+    RefKernel<<<(m * cs.N + 255) / 256, 256>>>(x, w, sizes, cs.E, ref, m, cs.N, cs.K);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> href(m * cs.N);
+    CK(cudaMemcpy(href.data(), ref, href.size() * 4, cudaMemcpyDeviceToHost));
+    // ceiling: stream the same bytes
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    {
+      std::vector<float> ts;
+      const int64_t n16 = (int64_t)bytes / 16;
+      for (int rep = 0; rep < kReps; ++rep) {
+        CK(cudaEventRecord(e0));
+        for (int c = 0; c < kCalls; ++c)
+          StreamKernel<<<132 * 8, 256>>>(reinterpret_cast<const uint4*>(w) +
+                                              (c % kRot) * ((wn / 8 - n16) / kRot),
+                                          n16, sink);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ts.push_back(ms * 1000 / kCalls);
+      }
+      std::sort(ts.begin(), ts.end());
+      printf("%-14s active %.1f  %.1f MB  stream %.1f us %.2f TB/s\n", cs.name, act, bytes / 1e6,
+             ts[kReps / 2], bytes / ts[kReps / 2] / 1e6);
+    }
+    for (int v = 0; v < nvar; ++v) {
+      CK(cudaMemset(out, 0xff, m * cs.N * 2));
+      variants[v].fn(x, w, sizes, out, m, cs.N, cs.K, cs.E);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<uint16_t> ho(m * cs.N);
+      CK(cudaMemcpy(ho.data(), out, ho.size() * 2, cudaMemcpyDeviceToHost));
+      double maxerr = 0;
+      int64_t bad = 0;
+      for (int64_t i = 0; i < m * cs.N; ++i) {
+        const float o = __bfloat162float(__ushort_as_bfloat16(ho[i]));
+        const double err = std::fabs(o - href[i]);
+        if (!(err <= 2e-2 + 1e-2 * std::fabs(href[i]))) ++bad;
+        if (!(err <= maxerr)) maxerr = err;
+      }
+      std::vector<float> ts;
+      for (int rep = 0; rep < kReps; ++rep) {
+        CK(cudaEventRecord(e0));
+        for (int c = 0; c < kCalls; ++c)
+          variants[v].fn(x, w, sizes + (c % kRot) * cs.E, out, m, cs.N, cs.K, cs.E);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ts.push_back(ms * 1000 / kCalls);
+      }
+      std::sort(ts.begin(), ts.end());
+      const double us = ts[kReps / 2];
+      printf("  %-26s %8.1f us  %.2f TB/s  maxerr %.3g bad %lld\n", variants[v].name, us,
+             bytes / us / 1e6, maxerr, (long long)bad);
+    }
+    CK(cudaFree(w));
+    CK(cudaFree(x));
+    CK(cudaFree(out));
+    CK(cudaFree(ref));
+    CK(cudaFree(sizes));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+  }
+  return 0;
+}
