@@ -486,6 +486,19 @@ def test_group_gemm_decode_tile_persistent_clamps_bad_sizes(rng, sizes):
                  jnp.bfloat16)
 
 
+def test_group_gemm_decode_tile_forms_agree_bitwise(rng):
+    # N = 2000 runs the persistent form on the GPU (5,796 blocks), its first 64
+    # columns alone the block per tile (184 blocks); both sum K (17 k steps of
+    # 32, so two per warp) in the same order: the same bits.
+    m, k, n, experts = 600, 520, 2000, 16
+    x = normal(rng, (m, k), jnp.bfloat16)
+    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+    sizes = jnp.asarray(split_rows(rng, m, experts, "empty_first_middle_last"))
+    wide = ops.group_gemm(x, w, sizes, tile_m=8)
+    narrow = ops.group_gemm(x, w[:, :64], sizes, tile_m=8)
+    assert_equal(wide[:, :64], narrow, "persistent vs block per tile")
+
+
 @pytest.mark.sanitize
 def test_group_gemm_gather_decode_tile_persistent(rng):
     tokens, k, n, experts, topk = 300, 72, 2000, 16, 4

@@ -25,7 +25,9 @@
 //    the BM = 32 kernel runs instead. Large decode launches run it
 //    persistent: one resident grid that scans the schedule once per block
 //    into shared memory and walks only the real tiles (no per-tile scan, no
-//    spare blocks): 3-11% more weight bandwidth at 16-128 tokens on the H200.
+//    spare blocks): up to 14% more weight bandwidth at 16-128 tokens on the
+//    H200 (benchmarks/RESULTS.md, fifth session). Both forms sum K in the
+//    same order, so they give the same bits.
 //  * Fused gather (step 3): with `gather`, row r of the GEMM input is
 //    x[rows[r] / topk] (zero where rows[r] is outside [0, x_rows * topk)),
 //    read in the A-load, so the expanded copy of x is never written.
