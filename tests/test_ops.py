@@ -475,17 +475,6 @@ def test_group_gemm_decode_tile_persistent(rng, shape, pattern, dtype):
     assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
 
 
-@pytest.mark.sanitize
-@pytest.mark.parametrize("sizes", list(BAD_SIZES.values()), ids=list(BAD_SIZES))
-def test_group_gemm_decode_tile_persistent_clamps_bad_sizes(rng, sizes):
-    # 64 rows, 4 experts, N = 16000: 13 m-slots x 500 column tiles, persistent.
-    x = normal(rng, (64, 24), jnp.bfloat16)
-    w = normal(rng, (4, 16000, 24), jnp.bfloat16, 0.2)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    assert_close(ops.group_gemm(x, w, sizes, tile_m=8), ref.group_gemm(x, w, sizes),
-                 jnp.bfloat16)
-
-
 def test_group_gemm_decode_tile_forms_agree_bitwise(rng):
     # N = 2000 runs the persistent form on the GPU (5,796 blocks), its first 64
     # columns alone the block per tile (184 blocks); both sum K (17 k steps of
@@ -589,13 +578,18 @@ def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
     assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
 
 
+# bf16 kernels with their own tile schedule, on expert_sizes outside the
+# contract: the sm90 kernel (tile_m = 256), and the persistent decode form
+# (tile_m = 8, N = 16000: 13 m-slots x 500 column tiles).
 @pytest.mark.sanitize
+@pytest.mark.parametrize("tile_m, n", [(256, 16), (8, 16000)], ids=["sm90", "decode_persistent"])
 @pytest.mark.parametrize("sizes", list(BAD_SIZES.values()), ids=list(BAD_SIZES))
-def test_group_gemm_sm90_clamps_bad_sizes_like_reference(rng, sizes):
+def test_group_gemm_bf16_kernels_clamp_bad_sizes_like_reference(rng, sizes, tile_m, n):
     x = normal(rng, (64, 24), jnp.bfloat16)
-    w = normal(rng, (4, 16, 24), jnp.bfloat16, 0.2)
+    w = normal(rng, (4, n, 24), jnp.bfloat16, 0.2)
     sizes = jnp.asarray(sizes, jnp.int32)
-    assert_close(ops.group_gemm(x, w, sizes, tile_m=256), ref.group_gemm(x, w, sizes), jnp.bfloat16)
+    assert_close(ops.group_gemm(x, w, sizes, tile_m=tile_m), ref.group_gemm(x, w, sizes),
+                 jnp.bfloat16, f"tile_m={tile_m}")
 
 
 @pytest.mark.sanitize
