@@ -377,6 +377,12 @@ GPU_TILES = [8, 32, 64, 128, 256] if ON_GPU else [32]
 @pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
 @pytest.mark.parametrize("shape", TILE_SHAPES, ids=str)
 def test_group_gemm_tiles(rng, shape, pattern, tile_m, dtype):
+    _check_tile(rng, shape, pattern, tile_m, dtype)
+
+
+def _check_tile(rng, shape, pattern, tile_m, dtype):
+    """group_gemm with `tile_m` on (M, K, N, E) and a split of M by `pattern`:
+    shape, dtype, the reference's values, zero rows past sum(expert_sizes)."""
     m, k, n, experts = shape
     x = normal(rng, (m, k), dtype)
     w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
@@ -466,13 +472,7 @@ PERSIST_SHAPES = [(600, 72, 2000, 16), (1000, 128, 1030, 130), (3000, 8, 200, 11
 @pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
 @pytest.mark.parametrize("shape", PERSIST_SHAPES, ids=str)
 def test_group_gemm_decode_tile_persistent(rng, shape, pattern, dtype):
-    m, k, n, experts = shape
-    x = normal(rng, (m, k), dtype)
-    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
-    got = ops.group_gemm(x, w, sizes, tile_m=8)
-    assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"tile_m=8, sizes={sizes}")
-    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+    _check_tile(rng, shape, pattern, 8, dtype)
 
 
 def test_group_gemm_decode_tile_forms_agree_bitwise(rng):
@@ -527,14 +527,7 @@ SM90_SHAPES = [  # (M, K, N, E)
 @pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
 @pytest.mark.parametrize("shape", SM90_SHAPES, ids=str)
 def test_group_gemm_sm90(rng, shape, pattern, dtype):
-    m, k, n, experts = shape
-    x = normal(rng, (m, k), dtype)
-    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
-    got = ops.group_gemm(x, w, sizes, tile_m=256)
-    assert got.shape == (m, n) and got.dtype == dtype
-    assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"tile_m=256, sizes={sizes}")
-    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+    _check_tile(rng, shape, pattern, 256, dtype)
 
 
 @pytest.mark.sanitize
