@@ -372,6 +372,15 @@ TILE_SHAPES = [
 GPU_TILES = [8, 32, 64, 128, 256] if ON_GPU else [32]
 
 
+def _gemm_inputs(rng, shape, pattern, dtype):
+    """x (M, K), w (E, N, K) and expert_sizes (a split of M by `pattern`) for
+    shape (M, K, N, E)."""
+    m, k, n, experts = shape
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    return x, w, jnp.asarray(split_rows(rng, m, experts, pattern))
+
+
 @dtypes
 @pytest.mark.parametrize("tile_m", GPU_TILES)
 @pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
@@ -383,10 +392,8 @@ def test_group_gemm_tiles(rng, shape, pattern, tile_m, dtype):
 def _check_tile(rng, shape, pattern, tile_m, dtype):
     """group_gemm with `tile_m` on (M, K, N, E) and a split of M by `pattern`:
     shape, dtype, the reference's values, zero rows past sum(expert_sizes)."""
-    m, k, n, experts = shape
-    x = normal(rng, (m, k), dtype)
-    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
+    m, _, n, _ = shape
+    x, w, sizes = _gemm_inputs(rng, shape, pattern, dtype)
     got = ops.group_gemm(x, w, sizes, tile_m=tile_m)
     assert got.shape == (m, n) and got.dtype == dtype
     assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"tile_m={tile_m}, sizes={sizes}")
@@ -427,12 +434,10 @@ def test_group_gemm_gather_matches_expand_then_gemm(rng, shape, tile_m, dtype):
 def test_group_gemm_tiles_small_sanitize(rng, tile_m):
     # Small cases of every tile for compute-sanitizer: empty experts, a
     # partial tail, K and N off the tile sizes.
-    for m, k, n, experts in [(1, 72, 26, 7), (45, 264, 70, 5), (20, 13, 9, 4)]:
-        x = normal(rng, (m, k), jnp.bfloat16)
-        w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
-        sizes = jnp.asarray(split_rows(rng, m, experts, "partial"))
+    for shape in [(1, 72, 26, 7), (45, 264, 70, 5), (20, 13, 9, 4)]:
+        x, w, sizes = _gemm_inputs(rng, shape, "partial", jnp.bfloat16)
         assert_close(ops.group_gemm(x, w, sizes, tile_m=tile_m), ref.group_gemm(x, w, sizes),
-                     jnp.bfloat16, f"tile_m={tile_m} m={m}")
+                     jnp.bfloat16, f"tile_m={tile_m} shape={shape}")
 
 
 @pytest.mark.parametrize("bad", [0, 16, 512, -8, 8.0, "8"])
@@ -479,10 +484,8 @@ def test_group_gemm_decode_tile_forms_agree_bitwise(rng):
     # N = 2000 runs the persistent form on the GPU (5,796 blocks), its first 64
     # columns alone the block per tile (184 blocks); both sum K (17 k steps of
     # 32, so two per warp) in the same order: the same bits.
-    m, k, n, experts = 600, 520, 2000, 16
-    x = normal(rng, (m, k), jnp.bfloat16)
-    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, experts, "empty_first_middle_last"))
+    x, w, sizes = _gemm_inputs(rng, (600, 520, 2000, 16), "empty_first_middle_last",
+                               jnp.bfloat16)
     wide = ops.group_gemm(x, w, sizes, tile_m=8)
     narrow = ops.group_gemm(x, w[:, :64], sizes, tile_m=8)
     assert_equal(wide[:, :64], narrow, "persistent vs block per tile")
@@ -538,9 +541,7 @@ def test_group_gemm_sm90_small_sanitize(rng):
                                         ((300, 200, 136, 3), "all_in_one"),
                                         ((1100, 64, 256, 2), "partial"),
                                         ((1100, 64, 256, 2), "all_in_one")]:
-        x = normal(rng, (m, k), jnp.bfloat16)
-        w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
-        sizes = jnp.asarray(split_rows(rng, m, experts, pattern))
+        x, w, sizes = _gemm_inputs(rng, (m, k, n, experts), pattern, jnp.bfloat16)
         got = ops.group_gemm(x, w, sizes, tile_m=256)
         assert_close(got, ref.group_gemm(x, w, sizes), jnp.bfloat16, f"m={m} sizes={sizes}")
         assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
@@ -592,10 +593,7 @@ def test_group_gemm_sm90_falls_back(rng, case):
     # correct, and bit for bit what tile_m = 128 gives.
     dtype, k, n = {"f32": (jnp.float32, 64, 72), "K_not_8x": (jnp.bfloat16, 204, 136),
                    "N_not_8x": (jnp.float16, 200, 130)}[case]
-    m, experts = 300, 3
-    x = normal(rng, (m, k), dtype)
-    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, experts, "partial"))
+    x, w, sizes = _gemm_inputs(rng, (300, k, n, 3), "partial", dtype)
     got = ops.group_gemm(x, w, sizes, tile_m=256)
     assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"{case}, sizes={sizes}")
     assert_equal(got, ops.group_gemm(x, w, sizes, tile_m=128), f"{case}: tile_m=256 vs 128")
@@ -603,10 +601,7 @@ def test_group_gemm_sm90_falls_back(rng, case):
 
 def test_group_gemm_sm90_is_bitwise_reproducible(rng):
     # No split-K or stream-K: the same bits every run, eager or jitted.
-    m, k, n, experts = 2100, 200, 264, 4
-    x = normal(rng, (m, k), jnp.bfloat16)
-    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
+    x, w, sizes = _gemm_inputs(rng, (2100, 200, 264, 4), "random", jnp.bfloat16)
     first = ops.group_gemm(x, w, sizes, tile_m=256)
     assert_equal(ops.group_gemm(x, w, sizes, tile_m=256), first, "second eager run")
     jitted = jax.jit(functools.partial(ops.group_gemm, tile_m=256))
