@@ -67,9 +67,11 @@ inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
     return InvalidArg("group_gemm: output must be (M, N)");
   if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
     return InvalidArg("group_gemm: topk must be in [1, 2^20]");
-  // 256: the CUTLASS sm90 kernel where it applies (CUDA only; else 128).
-  if (tile_m != 8 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
-    return InvalidArg("group_gemm: tile_m must be 8, 32, 64, 128 or 256");
+  // 16: the TMA decode kernel where it applies (CUDA, compute capability 9.0+;
+  // else 8). 256: the CUTLASS sm90 kernel where it applies (CUDA only; else 128).
+  if (tile_m != 8 && tile_m != 16 && tile_m != 32 && tile_m != 64 && tile_m != 128 &&
+      tile_m != 256)
+    return InvalidArg("group_gemm: tile_m must be 8, 16, 32, 64, 128 or 256");
   return ffi::Error::Success();
 }
 

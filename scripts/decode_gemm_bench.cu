@@ -1,8 +1,10 @@
-// The decode grouped GEMM (tile_m = 8) alone, on the decode-shaped GEMMs of
-// the issue-3 models, against a plain streaming read of the same bytes (the
-// bandwidth it could reach): the shipped dispatch and both of its forms
-// (block per tile, persistent) forced, checked against an f32 reference
-// kernel. Not part of the build; needs a GPU. From the repository root:
+// The decode grouped GEMMs alone, on the decode-shaped GEMMs of the issue-3
+// models, against a plain streaming read of the same bytes (the bandwidth
+// they could reach): the shipped dispatch for tile_m = 8 and 16, the two
+// forms of the 8-row skinny kernel (block per tile, persistent) and the TMA
+// kernel (tile 16) forced, each checked against an f32 reference kernel. Not
+// part of the build; needs a GPU (compute capability 9.0 for the TMA kernel).
+// From the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
 //     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
 //     scripts/decode_gemm_bench.cu -o /tmp/decode_gemm_bench && /tmp/decode_gemm_bench
@@ -71,20 +73,21 @@ struct Case {
 using Launch = void (*)(const uint16_t*, const uint16_t*, const int32_t*, uint16_t*, int64_t,
                         int64_t, int64_t, int64_t);
 
-enum class Form { kShipped, kBlock, kPersistent };
+enum class Form { kShipped, kShipped16, kBlock, kPersistent };
 
 template <Form F>
 void LaunchDecode(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out,
                   int64_t m, int64_t n, int64_t k, int64_t groups) {
   using T = __nv_bfloat16;
-  if (F == Form::kShipped) {
+  if (F == Form::kShipped || F == Form::kShipped16) {
     GemmDims d{};
     d.m = m;
     d.n = n;
     d.k = k;
     d.groups = groups;
     d.x_rows = m;
-    LaunchGroupGemm<ffi::DataType::BF16>(0, x, w, sizes, out, d, nullptr, 1, 8);
+    LaunchGroupGemm<ffi::DataType::BF16>(0, x, w, sizes, out, d, nullptr, 1,
+                                         F == Form::kShipped16 ? 16 : 8);
     return;
   }
   GemmArgs a{};
@@ -102,6 +105,20 @@ void LaunchDecode(const uint16_t* x, const uint16_t* w, const int32_t* sizes, ui
   }
 }
 
+template <int Consumers, int Stages, int KB>
+void LaunchTmaForced(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out,
+                      int64_t m, int64_t n, int64_t k, int64_t groups) {
+  GemmArgs a{};
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.src = RowSource{nullptr, 1, m};
+  a.vec_in = a.vec_out = true;
+  bool ran = false;
+  LaunchTma<__nv_bfloat16, Consumers, Stages, KB>(0, x, w, sizes, out, a, groups, 0, &ran);
+  if (!ran) printf("tma kernel did not launch\n");
+}
+
 struct Variant {
   const char* name;
   Launch fn;
@@ -115,9 +132,11 @@ using B = __nv_bfloat16;
 
 int main() {
   const Variant variants[] = {
-      {"shipped", LaunchDecode<Form::kShipped>},
+      {"shipped tile 8", LaunchDecode<Form::kShipped>},
+      {"shipped tile 16", LaunchDecode<Form::kShipped16>},
       {"block per tile", LaunchDecode<Form::kBlock>},
       {"persistent", LaunchDecode<Form::kPersistent>},
+      {"tma forced", LaunchTmaForced<kTmaConsumers, kTmaStages, kTmaBoxes>},
   };
   const Case cases[] = {
       {"q235 T16 up", 128, 3072, 4096, 16, 8},  {"q235 T16 dn", 128, 4096, 1536, 16, 8},
@@ -128,6 +147,7 @@ int main() {
       {"q30 T1 dn", 128, 2048, 768, 1, 8},       {"q235 T1 up", 128, 3072, 4096, 1, 8},
       {"q30 T128 up", 128, 1536, 2048, 128, 8},  {"q30 T128 dn", 128, 2048, 768, 128, 8},
       {"mix T1 up", 8, 28672, 4096, 1, 2},       {"q235 T64 up", 128, 3072, 4096, 64, 8},
+      {"odd N K", 8, 200, 1000, 16, 2},
   };
   const int nvar = sizeof(variants) / sizeof(variants[0]);
   const int kRot = 4, kCalls = 20, kReps = 7;

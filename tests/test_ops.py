@@ -369,7 +369,7 @@ TILE_SHAPES = [
 # The CPU handler has one path whatever tile_m says: on CPU one tile is enough.
 # 256 (the sm90 kernel) falls back to 128 for most TILE_SHAPES (N or K not a
 # multiple of 8, f32); its own cases are in the tile_m = 256 section below.
-GPU_TILES = [8, 32, 64, 128, 256] if ON_GPU else [32]
+GPU_TILES = [8, 16, 32, 64, 128, 256] if ON_GPU else [32]
 
 
 def _gemm_inputs(rng, shape, pattern, dtype):
@@ -414,7 +414,7 @@ def _gather_rows(rng, tokens, topk, experts, extra_invalid=True):
 
 @pytest.mark.sanitize
 @dtypes
-@pytest.mark.parametrize("tile_m", [None, 8, 32, 128, 256])
+@pytest.mark.parametrize("tile_m", [None, 8, 16, 32, 128, 256])
 @pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 70, 6, 3), (5, 13, 9, 4, 4)],
                          ids=["T1", "T37", "K13_topk_eq_E"])
 def test_group_gemm_gather_matches_expand_then_gemm(rng, shape, tile_m, dtype):
@@ -440,7 +440,7 @@ def test_group_gemm_tiles_small_sanitize(rng, tile_m):
                      jnp.bfloat16, f"tile_m={tile_m} shape={shape}")
 
 
-@pytest.mark.parametrize("bad", [0, 16, 512, -8, 8.0, "8"])
+@pytest.mark.parametrize("bad", [0, 24, 512, -8, 8.0, "8"])
 def test_group_gemm_rejects_bad_tile_m(bad):
     x = jnp.zeros((4, 8), jnp.bfloat16)
     w = jnp.zeros((2, 6, 8), jnp.bfloat16)
@@ -451,7 +451,7 @@ def test_group_gemm_rejects_bad_tile_m(bad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_m", [8, 32, 64, 128, 256])
+@pytest.mark.parametrize("tile_m", [8, 16, 32, 64, 128, 256])
 def test_cuda_group_gemm_tiles_large(rng, tile_m):
     # Real model widths (K = 2048, N = 1536) with decode- and prefill-like
     # routings, CUDA against the CPU handler.
@@ -500,6 +500,46 @@ def test_group_gemm_gather_decode_tile_persistent(rng):
     got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=8)
     want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
     assert_close(got, want, jnp.bfloat16, "gather, tile_m=8, persistent")
+
+
+# tile_m = 16 on the GPU (compute capability 9.0+, bf16/f16, K % 8 == 0) runs
+# the TMA decode kernel when a launch has at least two resident grids' worth
+# of 16 x 128 tiles (3 blocks per SM: 792 on the H200); below, and past 1024
+# experts, the decode kernel (8) runs. These have over 1,100 tiles, with N off
+# the 128 columns, K off the 64-element box (K = 24: one partial box; 136: a
+# last box of 8, half an mma k step), 1-16 rows per tile, and E = 1100 for
+# the fallback. On the CPU tile_m is checked and otherwise unused.
+TMA_SHAPES = [(1700, 24, 1500, 16), (600, 136, 2600, 16), (3000, 8, 200, 1100)]
+
+
+@dtypes
+@pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=str)
+def test_group_gemm_decode_tile_tma(rng, shape, pattern, dtype):
+    _check_tile(rng, shape, pattern, 16, dtype)
+
+
+@pytest.mark.sanitize
+def test_group_gemm_gather_decode_tile_tma(rng):
+    # The gather index is applied by the TMA kernel's producer (cp.async of
+    # the token rows, zero-filled for out-of-range entries).
+    tokens, k, n, experts, topk = 300, 72, 2000, 16, 4
+    x = normal(rng, (tokens, k), jnp.bfloat16)
+    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
+    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
+    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=16)
+    want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
+    assert_close(got, want, jnp.bfloat16, "gather, tile_m=16")
+
+
+def test_group_gemm_decode_tile_tma_is_deterministic(rng):
+    # One warp sums each output over all of K in k order: the same bits every
+    # call, eager and jitted.
+    x, w, sizes = _gemm_inputs(rng, (600, 136, 2600, 16), "random", jnp.bfloat16)
+    first = ops.group_gemm(x, w, sizes, tile_m=16)
+    assert_equal(ops.group_gemm(x, w, sizes, tile_m=16), first, "second eager run")
+    jitted = jax.jit(functools.partial(ops.group_gemm, tile_m=16))
+    assert_equal(jitted(x, w, sizes), first, "jitted")
 
 
 # ------------------------------------------------- tile_m = 256: the sm90 kernel
@@ -573,10 +613,12 @@ def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
 
 
 # bf16 kernels with their own tile schedule, on expert_sizes outside the
-# contract: the sm90 kernel (tile_m = 256), and the persistent decode form
-# (tile_m = 8, N = 16000: 13 m-slots x 500 column tiles).
+# contract: the sm90 kernel (tile_m = 256), the persistent decode form
+# (tile_m = 8, N = 16000: 13 m-slots x 500 column tiles) and the TMA decode
+# kernel (tile_m = 16: 9 m-slots x 125 column tiles).
 @pytest.mark.sanitize
-@pytest.mark.parametrize("tile_m, n", [(256, 16), (8, 16000)], ids=["sm90", "decode_persistent"])
+@pytest.mark.parametrize("tile_m, n", [(256, 16), (8, 16000), (16, 16000)],
+                         ids=["sm90", "decode_persistent", "decode_tma"])
 @pytest.mark.parametrize("sizes", list(BAD_SIZES.values()), ids=list(BAD_SIZES))
 def test_group_gemm_bf16_kernels_clamp_bad_sizes_like_reference(rng, sizes, tile_m, n):
     x = normal(rng, (64, 24), jnp.bfloat16)

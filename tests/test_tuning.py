@@ -10,12 +10,14 @@ from conftest import ON_GPU
 from jax_moe import tuning
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("sm90", [False, True])
-def test_default_rule_by_rows_per_expert(sm90):
-    rule = lambda m, e: tuning.default_tile_m(m, e, sm90=sm90)  # noqa: E731
-    assert rule(8, 128) == 8          # decode: T=1, k=8
-    assert rule(128, 128) == 8        # T=16, k=8: one row per expert
-    assert rule(1024, 128) == 8       # T=128: 8 rows per expert
+def test_default_rule_by_rows_per_expert(sm90, tma):
+    rule = lambda m, e: tuning.default_tile_m(m, e, sm90=sm90, tma=tma)  # noqa: E731
+    decode = 16 if tma else 8
+    assert rule(8, 128) == decode          # decode: T=1, k=8
+    assert rule(128, 128) == decode        # T=16, k=8: one row per expert
+    assert rule(1024, 128) == decode       # T=128: 8 rows per expert
     # above 8 rows per expert the sm90 kernel where it runs, else mma.sync
     # tiles: 64 rows up to 48 rows per expert, 128 beyond
     assert rule(1025, 128) == (256 if sm90 else 64)
@@ -30,6 +32,19 @@ def test_default_rule_by_rows_per_expert(sm90):
 
 def test_default_rule_asks_the_device_when_not_told():
     assert tuning.default_tile_m(65536, 128) == (256 if tuning.sm90_device() else 128)
+    assert tuning.default_tile_m(8, 128) == (16 if tuning.tma_decode_device() else 8)
+
+
+def test_tma_decode_shape_rule():
+    if not ON_GPU:
+        assert not tuning.tma_decode_device()
+        assert not tuning.tma_decode_usable(4096, jnp.bfloat16)
+    usable = tuning.tma_decode_device()
+    assert tuning.tma_decode_usable(4096, jnp.bfloat16) == usable
+    assert tuning.tma_decode_usable(136, jnp.float16) == usable
+    assert not tuning.tma_decode_usable(4096, jnp.float32)
+    assert not tuning.tma_decode_usable(132, jnp.bfloat16)   # K % 8
+    assert not tuning.tma_decode_usable(0, jnp.bfloat16)
 
 
 def test_sm90_shape_rule():
@@ -58,13 +73,15 @@ def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
     assert tuning.table_path(kind) == tmp_path / "Fake_GPU_9000.json"
     tuning.load_table.cache_clear()
     monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
+    monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: False)
     try:
         pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
         assert pick(10) == 64 and pick(16) == 64
         assert pick(900) == 8 and pick(2000) == 8
         assert pick(40_000) == 32 and pick(10**7) == 32
         # another problem or dtype: the rule
-        assert tuning.group_gemm_tile_m(10, 16, 96, 64, jnp.float16) == tuning.default_tile_m(10, 16)
+        assert (tuning.group_gemm_tile_m(10, 16, 96, 64, jnp.float16) ==
+                tuning.default_tile_m(10, 16, tma=False))
     finally:
         tuning.load_table.cache_clear()
 
@@ -80,6 +97,7 @@ def test_table_answer_128_yields_to_sm90(tmp_path, monkeypatch, usable):
     tuning.load_table.cache_clear()
     monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
     monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: usable)
+    monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: False)
     try:
         pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
         assert pick(16) == 64
@@ -90,6 +108,28 @@ def test_table_answer_128_yields_to_sm90(tmp_path, monkeypatch, usable):
         assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.bfloat16, 128) == 128  # explicit
         # not in the table: the rule, told whether the kernel is usable
         assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.float16) == (256 if usable else 128)
+    finally:
+        tuning.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("usable", [False, True])
+def test_table_answer_8_yields_to_tma_decode(tmp_path, monkeypatch, usable):
+    kind = "Fake GPU 9000"
+    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
+    table = {"device": kind, "group_gemm": {key: [[8, 8], [128, 8], [1024, 32], [65536, 128]]}}
+    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
+    tuning.load_table.cache_clear()
+    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
+    monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: False)
+    monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: usable)
+    try:
+        pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
+        assert pick(8) == (16 if usable else 8) and pick(128) == (16 if usable else 8)
+        assert pick(1024) == 32 and pick(65536) == 128  # other answers stand
+        assert tuning.group_gemm_tile_m(8, 16, 96, 64, jnp.bfloat16, 8) == 8  # explicit
+        # not in the table: the rule, told whether the kernel is usable
+        assert tuning.group_gemm_tile_m(8, 16, 96, 64, jnp.float16) == (16 if usable else 8)
     finally:
         tuning.load_table.cache_clear()
 

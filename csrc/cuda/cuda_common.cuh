@@ -109,6 +109,73 @@ __device__ __forceinline__ void Ldmatrix2Trans(uint32_t (&r)[2], const void* sme
                : "r"(s));
 }
 
+// Two 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i
+// (lanes 16..31 are ignored), and register i returns row lane/4, columns
+// 2*(lane%4)..+1 of matrix i.
+__device__ __forceinline__ void Ldmatrix2(uint32_t (&r)[2], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(s));
+}
+
+// Hopper (sm_90+) tensor-memory-accelerator copies and mbarriers. Callers compile them only for
+// __CUDA_ARCH__ >= 900 and launch them only on such devices.
+__device__ __forceinline__ unsigned SmemAddr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the copy engine).
+__device__ __forceinline__ void FenceMbarInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also expects `bytes` of bulk-copy completions this phase.
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
+}
+// Blocks until the phase of parity `parity` has completed.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      " .reg .pred done;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n"
+      "}\n" ::"r"(SmemAddr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// The tensor memory accelerator: a 2-D box of `map` at (c0 innermost, c1)
+// into shared memory, completion counted on `bar`'s transactions.
+__device__ __forceinline__ void TmaLoad2D(void* dst, const void* map, int c0, int c1,
+                                          uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(SmemAddr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar)), "l"(policy)
+      : "memory");
+}
+// An arrival on `bar` once this thread's earlier cp.async copies have landed
+// (counted in the barrier's init count).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(bar))
+               : "memory");
+}
+// An L2 policy for data read once (streamed weights): evicted first.
+__device__ __forceinline__ uint64_t L2EvictFirst() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
 template <typename T>
 __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -151,12 +218,13 @@ cudaError_t EnsureDynamicSmem(int bytes) {
   return err;
 }
 
-// How many blocks of `Kernel` (kThreads threads, no dynamic shared memory)
-// the current device holds at once: occupancy x SM count, asked once per
+// How many blocks of `Kernel` (`threads` threads, `dynamic_smem` bytes of
+// dynamic shared memory; a kernel passes the same values at every call) the
+// current device holds at once: occupancy x SM count, asked once per
 // device (not a stream operation: safe while XLA captures a command buffer).
 // 0 when the query fails.
 template <auto Kernel>
-int ResidentBlocks(int threads) {
+int ResidentBlocks(int threads, int dynamic_smem = 0) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet
   int dev = 0;
@@ -168,10 +236,33 @@ int ResidentBlocks(int threads) {
   if (v == 0) {
     int per_sm = 0, sms = 0;
     const bool ok =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, 0) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, dynamic_smem) ==
+                cudaSuccess &&
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
     cudaGetLastError();
     v = ok && per_sm > 0 && sms > 0 ? per_sm * sms : -1;
+    if (dev >= 0 && dev < kMaxDevices) cache[dev].store(v, std::memory_order_release);
+  }
+  return v > 0 ? v : 0;
+}
+
+// The current device's compute capability major version, asked once per
+// device (not a stream operation); 0 when the query fails.
+inline int DeviceMajor() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  int v = dev >= 0 && dev < kMaxDevices ? cache[dev].load(std::memory_order_acquire) : 0;
+  if (v == 0) {
+    int major = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
+    cudaGetLastError();
+    v = ok && major > 0 ? major : -1;
     if (dev >= 0 && dev < kMaxDevices) cache[dev].store(v, std::memory_order_release);
   }
   return v > 0 ? v : 0;

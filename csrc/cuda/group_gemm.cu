@@ -28,6 +28,13 @@
 //    spare blocks): up to 14% more weight bandwidth at 16-128 tokens on the
 //    H200 (benchmarks/RESULTS.md, fifth session). Both forms sum K in the
 //    same order, so they give the same bits.
+//  * bf16/f16 with tile_m = 16 on compute capability 9.0+ (decode, 2-128
+//    tokens): the TMA kernel, persistent and warp-specialised: a producer
+//    warp streams 128 weight rows x 64 k per stage with the tensor memory
+//    accelerator, eight consumer warps multiply them by up to 16 token rows.
+//    4.2-4.35 TB/s of weights on the H200 where the skinny kernel reached
+//    3.4-4.1 (benchmarks/RESULTS.md, sixth session). Launches smaller than
+//    two of its resident grids, and everything it cannot take, run tile 8.
 //  * Fused gather (step 3): with `gather`, row r of the GEMM input is
 //    x[rows[r] / topk] (zero where rows[r] is outside [0, x_rows * topk)),
 //    read in the A-load, so the expanded copy of x is never written.
@@ -42,6 +49,7 @@
 //    compute capability 9.0 device, bf16/f16, N and K multiples of 8, the
 //    scratch output sized for it), else the 128-row tile runs instead: the
 //    same results up to the order of the K sums.
+#include <cuda.h>  // CUtensorMap (types only: the encoder comes through the runtime)
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -89,6 +97,7 @@ struct Tile {
 
 // Inclusive block-wide scan; *total gets the sum over the block. Contains one
 // __syncthreads; the caller keeps `warp_sums` untouched until the next barrier.
+template <int Warps = kWarps>
 __device__ __forceinline__ int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums,
                                                       int64_t* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -101,7 +110,7 @@ __device__ __forceinline__ int64_t BlockInclusiveScan(int64_t v, int64_t* warp_s
   __syncthreads();
   int64_t before = 0, all = 0;
 #pragma unroll
-  for (int i = 0; i < kWarps; ++i) {
+  for (int i = 0; i < Warps; ++i) {
     const int64_t s = warp_sums[i];
     before += i < warp ? s : 0;
     all += s;
@@ -467,66 +476,99 @@ __device__ __forceinline__ void ForEachTile(const GemmArgs& a, const int32_t* __
   }
 }
 
-// The persistent form for grids of resident blocks: each block scans the
-// schedule once into shared memory (experts <= kPersistMaxE, M < 2^31), then
-// strides over the real tiles only, in the same grouped raster, and after
-// them over the BM-row chunks of the tail [rows_total, M), which it zeroes.
+// The persistent forms scan the schedule once per block into shared memory
+// (experts <= kPersistMaxE, M < 2^31): the first tile and first row of every
+// expert, from which any tile id decodes without another scan.
 constexpr int kPersistMaxE = 1024;
-template <int BM, int BN, typename S, typename TileFn>
-__device__ __forceinline__ void ForEachTilePersistent(const GemmArgs& a,
-                                                      const int32_t* __restrict__ sizes,
-                                                      S* __restrict__ out, TileFn&& fn) {
-  __shared__ int s_tile0[kPersistMaxE + 1];  // first tile of expert e; [E] = all tiles
-  __shared__ int s_row0[kPersistMaxE + 1];   // first row of expert e, clamped to M
-  __shared__ int64_t s_sums[kWarps];
+struct PersistSchedule {
+  int tile0[kPersistMaxE + 1];  // first m-tile of expert e; [E] = all tiles
+  int row0[kPersistMaxE + 1];   // first row of expert e, clamped to M
+  int64_t tiles, rows;          // real m-tiles; rows placed, min(sum of sizes, M)
+};
+
+// Fills `sch` (shared) from `sizes`; the whole block (Warps warps) calls it.
+template <int BM, int Warps>
+__device__ void ScanSchedule(const GemmArgs& a, const int32_t* __restrict__ sizes,
+                             PersistSchedule& sch, int64_t* s_sums) {
   const int num_e = static_cast<int>(a.num_experts);
   int64_t rows = 0, tiles = 0;  // block-uniform carries, as in FindTile
-  if (threadIdx.x == 0) s_tile0[0] = s_row0[0] = 0;
-  for (int base = 0; base < num_e; base += kThreads) {
+  if (threadIdx.x == 0) sch.tile0[0] = sch.row0[0] = 0;
+  for (int base = 0; base < num_e; base += Warps * 32) {
     const int e = base + static_cast<int>(threadIdx.x);
     const int32_t sz = e < num_e ? sizes[e] : 0;
     const int64_t cnt = sz > 0 ? sz : 0;
     int64_t rows_chunk, tiles_chunk;
-    const int64_t incl = BlockInclusiveScan(cnt, s_sums, &rows_chunk);
+    const int64_t incl = BlockInclusiveScan<Warps>(cnt, s_sums, &rows_chunk);
     const int64_t st = Min64(rows + incl - cnt, a.m), en = Min64(rows + incl, a.m);
     const int64_t nt = CeilDiv(en - st, BM);
     __syncthreads();  // s_sums is read by every thread before the next scan writes it
-    const int64_t tincl = BlockInclusiveScan(nt, s_sums, &tiles_chunk);
+    const int64_t tincl = BlockInclusiveScan<Warps>(nt, s_sums, &tiles_chunk);
     if (e < num_e) {
-      s_row0[e + 1] = static_cast<int>(en);
-      s_tile0[e + 1] = static_cast<int>(tiles + tincl);
+      sch.row0[e + 1] = static_cast<int>(en);
+      sch.tile0[e + 1] = static_cast<int>(tiles + tincl);
     }
     rows = Min64(rows + rows_chunk, a.m);
     tiles += tiles_chunk;
     __syncthreads();
   }
-  __syncthreads();  // the entries of s_tile0 / s_row0 are visible even when E == 0
-  const int64_t real = tiles * a.ntiles;
-  const int64_t total = real + CeilDiv(a.m - rows, BM) * a.ntiles;
+  if (threadIdx.x == 0) {
+    sch.tiles = tiles;
+    sch.rows = rows;
+  }
+  __syncthreads();  // everything above is visible even when E == 0
+}
+
+// The tile of m-slot `mslot` (< sch.tiles): the owner is the last expert whose
+// first tile is <= mslot (empty experts before it share its first tile; those
+// after start later).
+template <int BM>
+__device__ __forceinline__ Tile PersistTile(const PersistSchedule& sch, int num_e,
+                                            int64_t mslot) {
+  int lo = 0, hi = num_e - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (sch.tile0[mid] <= mslot) lo = mid;
+    else hi = mid - 1;
+  }
+  Tile tile{};
+  tile.expert = lo;
+  tile.row0 = sch.row0[lo] + (mslot - sch.tile0[lo]) * BM;
+  tile.row_lim = Min64(tile.row0 + BM, sch.row0[lo + 1]);
+  return tile;
+}
+
+// Tail chunk j of the persistent forms: rows [rows + (j / ntiles) * BM, +BM)
+// of column tile j % ntiles, zeroed element-wise by `nthreads` threads from
+// thread `tid` (the tail is empty unless sum(expert_sizes) < M).
+template <int BM, int BN, typename S>
+__device__ __forceinline__ void ZeroTailChunk(S* __restrict__ out, const GemmArgs& a,
+                                              int64_t rows, int64_t j, int tid, int nthreads) {
+  const int64_t r0 = rows + (j / a.ntiles) * BM, n0 = (j % a.ntiles) * BN;
+  for (int i = tid; i < BM * BN; i += nthreads) {
+    const int64_t r = r0 + i / BN, c = n0 + i % BN;
+    if (r < a.m && c < a.n) out[r * a.n + c] = S(0);
+  }
+}
+
+// The persistent loop: after the scan each block strides over the real tiles
+// only, in the same grouped raster as ForEachTile, then over the BM-row
+// chunks of the tail [rows, M), which it zeroes.
+template <int BM, int BN, typename S, typename TileFn>
+__device__ __forceinline__ void ForEachTilePersistent(const GemmArgs& a,
+                                                      const int32_t* __restrict__ sizes,
+                                                      S* __restrict__ out, TileFn&& fn) {
+  __shared__ PersistSchedule sch;
+  __shared__ int64_t s_sums[kWarps];
+  ScanSchedule<BM, kWarps>(a, sizes, sch, s_sums);
+  const int64_t real = sch.tiles * a.ntiles;
+  const int64_t total = real + CeilDiv(a.m - sch.rows, BM) * a.ntiles;
   for (int64_t id = blockIdx.x; id < total; id += gridDim.x) {
     if (id < real) {
       int64_t mslot, ntile;
-      DecodeBlock(id, tiles, a.ntiles, &mslot, &ntile);
-      // The owner is the last expert whose first tile is <= mslot (empty
-      // experts before it share its first tile; those after start later).
-      int lo = 0, hi = num_e - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (s_tile0[mid] <= mslot) lo = mid;
-        else hi = mid - 1;
-      }
-      Tile tile{};
-      tile.expert = lo;
-      tile.row0 = s_row0[lo] + (mslot - s_tile0[lo]) * BM;
-      tile.row_lim = Min64(tile.row0 + BM, s_row0[lo + 1]);
-      fn(tile, ntile * BN);
+      DecodeBlock(id, sch.tiles, a.ntiles, &mslot, &ntile);
+      fn(PersistTile<BM>(sch, static_cast<int>(a.num_experts), mslot), ntile * BN);
     } else {
-      const int64_t j = id - real;
-      const int64_t r0 = rows + (j / a.ntiles) * BM, n0 = (j % a.ntiles) * BN;
-      for (int i = threadIdx.x; i < BM * BN; i += kThreads) {
-        const int64_t r = r0 + i / BN, c = n0 + i % BN;
-        if (r < a.m && c < a.n) out[r * a.n + c] = S(0);
-      }
+      ZeroTailChunk<BM, BN>(out, a, sch.rows, id - real, threadIdx.x, kThreads);
     }
   }
 }
@@ -673,6 +715,176 @@ __global__ void __launch_bounds__(kThreads, 4)
   ForEachTilePersistent<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
     SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k);
   });
+}
+
+// ---------------------------------------------------------------------------
+// bf16 / f16 decode on Hopper (compute capability 9.0+): the TMA kernel
+// ---------------------------------------------------------------------------
+// Persistent and warp-specialised. A producer warp streams each tile's weight
+// rows (16 x Consumers of them: the out columns) in boxes of 64 k with the
+// tensor memory accelerator (one instruction per box, 128-byte swizzle, bytes
+// counted on the stage's mbarrier: no registers hold loads in flight, and
+// the ring runs on across tile boundaries) and its <= 16 token rows with
+// cp.async (16 bytes per lane, zero-filled past K, past the tile and for zero
+// rows; the gather index is applied here). Consumer warp c multiplies weight
+// rows 16c..16c+15 by the token rows (mma.sync fed by ldmatrix) and frees the
+// stage. Up to 16 token rows per tile: an expert with 9-16 rows reads its
+// weights once (the 8-row skinny tile reads them twice). Each output is summed
+// over all of K by one warp in k order: deterministic.
+// What stays stale in a stage is never used: weight rows past N feed only
+// columns that are not stored, and k steps past K are skipped (the box that
+// holds K's end is zero-filled beyond it by the TMA, the token rows by cp.async).
+template <int Consumers, int Stages, int KB>
+struct TmaCfg {
+  static constexpr int kRows = 16;                  // token rows per tile
+  static constexpr int kCols = 16 * Consumers;      // weight rows (out columns) = TMA box rows
+  static constexpr int kKC = 64 * KB;               // k per stage: KB boxes of 64
+  static constexpr int kBoxBytes = kCols * 128;     // one 64-k box: 128-byte swizzled rows
+  static constexpr int kXPitch = kKC * 2 + 16;      // token row: an odd number of 16-byte chunks
+  static constexpr int kXOff = KB * kBoxBytes;      // token rows after the boxes
+  static constexpr int kStageBytes = (kXOff + kRows * kXPitch + 1023) / 1024 * 1024;
+  static constexpr int kSmem = Stages * kStageBytes + 1024;  // + alignment slack (128B swizzle)
+  static constexpr int kThreads = (Consumers + 1) * 32;
+  static constexpr int kXChunks = kRows * kKC / 8;  // 16-byte token chunks per stage
+  static_assert(kXChunks % 32 == 0 && kBoxBytes % 1024 == 0 && kCols <= 256, "tma tile");
+};
+
+template <typename T, int Consumers, int Stages, int KB>
+__global__ void __launch_bounds__(TmaCfg<Consumers, Stages, KB>::kThreads)
+    GroupGemmTmaKernel(const __grid_constant__ CUtensorMap wmap, const uint16_t* __restrict__ x,
+                       const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
+                       GemmArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using C = TmaCfg<Consumers, Stages, KB>;
+  extern __shared__ unsigned char smem_raw[];
+  // 128-byte swizzled boxes repeat every 1024 bytes: align the ring to that.
+  unsigned char* ring = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
+  __shared__ uint64_t full[Stages], empty[Stages];
+  __shared__ PersistSchedule sch;
+  __shared__ int64_t s_sums[Consumers + 1];
+  ScanSchedule<C::kRows, Consumers + 1>(a, sizes, sch, s_sums);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Stages; ++s) {
+      MbarInit(&full[s], 1 + 32);      // the producer's expect_tx + its 32 lanes' cp.async
+      MbarInit(&empty[s], Consumers * 32);  // every consumer thread arrives
+    }
+    FenceMbarInit();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int num_e = static_cast<int>(a.num_experts);
+  const int64_t real = sch.tiles * a.ntiles;
+  const int64_t ksteps = CeilDiv(a.k, C::kKC);
+  int stage = 0;
+  unsigned phase = 0;
+  auto advance = [&] {
+    if (++stage == Stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  };
+  if (warp == Consumers) {  // producer
+    const uint64_t policy = L2EvictFirst();
+    for (int64_t id = blockIdx.x; id < real; id += gridDim.x) {
+      int64_t mslot, ntile;
+      DecodeBlock(id, sch.tiles, a.ntiles, &mslot, &ntile);
+      const Tile tile = PersistTile<C::kRows>(sch, num_e, mslot);
+      const int wrow = static_cast<int>(tile.expert * a.n + ntile * C::kCols);
+      // Token chunks of this lane: chunk q = lane + 32 i is row q / (kKC/8),
+      // 16-byte column q % (kKC/8); rows past the tile and zero rows read nothing.
+      const uint16_t* xsrc[C::kXChunks / 32];
+      int xoff[C::kXChunks / 32];
+#pragma unroll
+      for (int i = 0; i < C::kXChunks / 32; ++i) {
+        const int q = lane + 32 * i, r = q / (C::kKC / 8), c = q % (C::kKC / 8);
+        const int64_t ar = tile.row0 + r;
+        const int64_t xr = ar < tile.row_lim ? a.src.Row(ar) : -1;
+        xsrc[i] = xr >= 0 ? x + xr * a.k + c * 8 : nullptr;
+        xoff[i] = C::kXOff + r * C::kXPitch + c * 16;
+      }
+      for (int64_t ks = 0; ks < ksteps; ++ks) {
+        const int64_t k0 = ks * C::kKC;
+        const int boxes = static_cast<int>(Min64(KB, CeilDiv(a.k - k0, 64)));
+        MbarWait(&empty[stage], phase ^ 1u);  // the first round passes: the ring starts empty
+        unsigned char* st = ring + stage * C::kStageBytes;
+        if (lane == 0) {
+          MbarArriveExpectTx(&full[stage], boxes * C::kBoxBytes);
+          for (int b = 0; b < boxes; ++b)
+            TmaLoad2D(st + b * C::kBoxBytes, &wmap, static_cast<int>(k0) + 64 * b, wrow,
+                      &full[stage], policy);
+        }
+#pragma unroll
+        for (int i = 0; i < C::kXChunks / 32; ++i) {
+          const int64_t kk = k0 + (lane + 32 * i) % (C::kKC / 8) * 8;
+          const bool in = xsrc[i] != nullptr && kk < a.k;  // K % 8 == 0: whole chunk or none
+          CpAsync16Zfill(st + xoff[i], in ? xsrc[i] + k0 : x, in ? 16 : 0);
+        }
+        CpAsyncArriveNoinc(&full[stage]);
+        advance();
+      }
+    }
+    return;
+  }
+  // Consumers. ldmatrix addresses: A = weight rows 16*warp + lane%16 (swizzled
+  // chunk: the 16-byte column XOR row % 8, and row % 8 == lane % 8), k half
+  // lane/16; B = token rows lane%8 (+8 for lanes 16..31), k half (lane/8)%2:
+  // the register layouts of m16n8k16.
+  const int a_row = (warp * 16 + (lane & 15)) * 128, a_half = lane >> 4, a_xor = lane & 7;
+  const int b_off = C::kXOff + ((lane & 7) + ((lane >> 4) << 3)) * C::kXPitch + ((lane >> 3) & 1) * 16;
+  const int g = lane >> 2, t = lane & 3;
+  for (int64_t id = blockIdx.x; id < real; id += gridDim.x) {
+    int64_t mslot, ntile;
+    DecodeBlock(id, sch.tiles, a.ntiles, &mslot, &ntile);
+    const Tile tile = PersistTile<C::kRows>(sch, num_e, mslot);
+    const int64_t n0 = ntile * C::kCols;
+    const bool two = tile.row_lim - tile.row0 > 8;  // warp-uniform: a second n8 half
+    float acc[2][4] = {};
+    for (int64_t ks = 0; ks < ksteps; ++ks) {
+      const int kvalid = static_cast<int>(Min64(C::kKC, a.k - ks * C::kKC));
+      MbarWait(&full[stage], phase);
+      const unsigned char* st = ring + stage * C::kStageBytes;
+#pragma unroll
+      for (int kk = 0; kk < C::kKC; kk += 16) {
+        if (kk < kvalid) {
+          const int chunk = ((kk & 63) >> 3) + a_half;
+          uint32_t af[4], bf[4];
+          Ldmatrix4(af, st + (kk >> 6) * C::kBoxBytes + a_row + ((chunk ^ a_xor) << 4));
+          if (two) {
+            Ldmatrix4(bf, st + b_off + kk * 2);
+          } else {
+            uint32_t b2[2];
+            Ldmatrix2(b2, st + b_off + kk * 2);
+            bf[0] = b2[0];
+            bf[1] = b2[1];
+            bf[2] = bf[3] = 0u;
+          }
+          Mma16816<T>(acc[0], af, bf[0], bf[1]);
+          if (two) Mma16816<T>(acc[1], af, bf[2], bf[3]);
+        }
+      }
+      // Every lane arrives: an arrive releases only its own thread's reads
+      // (PTX memory model), so one lane per warp would not order the others'
+      // ldmatrix before the producer's next copies into this stage.
+      MbarArrive(&empty[stage]);
+      advance();
+    }
+    // acc[h] = {(col g, token 2t), (col g, token 2t+1), (col g+8, token 2t), (col g+8, token 2t+1)}
+    // of token half h.
+    const int64_t c = n0 + warp * 16 + g;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int64_t r = tile.row0 + 8 * h + 2 * t + q;
+        if (r >= tile.row_lim) continue;
+        if (c < a.n) out[r * a.n + c] = FromFloat16<T>(acc[h][q]);
+        if (c + 8 < a.n) out[r * a.n + c + 8] = FromFloat16<T>(acc[h][2 + q]);
+      }
+  }
+  const int64_t total = real + CeilDiv(a.m - sch.rows, C::kRows) * a.ntiles;
+  for (int64_t id = real + blockIdx.x; id < total; id += gridDim.x)
+    ZeroTailChunk<C::kRows, C::kCols>(out, a, sch.rows, id - real, threadIdx.x, Consumers * 32);
+#endif
 }
 
 // Persistent when the launch would be at least this many waves of resident
@@ -830,9 +1042,77 @@ cudaError_t LaunchMma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
   return cudaGetLastError();
 }
 
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no
+// link against libcuda); null when the driver does not have it.
+using TensorMapEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                       const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                       const cuuint32_t*, CUtensorMapInterleave,
+                                       CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                       CUtensorMapFloatOOBfill);
+inline TensorMapEncodeFn TensorMapEncode() {
+  static const TensorMapEncodeFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<TensorMapEncodeFn>(nullptr);
+    }
+    return reinterpret_cast<TensorMapEncodeFn>(p);
+  }();
+  return fn;
+}
+
+// The TMA kernel as one resident grid, when the launch has at least
+// `min_waves` resident grids' worth of tiles (upper bound). *ran is false
+// (nothing launched) when it has fewer, or when the driver cannot encode the
+// weight map or the occupancy query fails. Needs a device of compute
+// capability 9.0+, w 16-byte aligned, K % 8 == 0 (the caller's vec_in), E*N
+// and K < 2^31, E <= kPersistMaxE, M < 2^31.
+template <typename T, int Consumers, int Stages, int KB>
+cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
+                      const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups,
+                      int64_t min_waves, bool* ran) {
+  using C = TmaCfg<Consumers, Stages, KB>;
+  constexpr auto kernel = GroupGemmTmaKernel<T, Consumers, Stages, KB>;
+  *ran = false;
+  const cudaError_t attr = EnsureDynamicSmem<kernel>(C::kSmem);  // before the occupancy query
+  if (attr != cudaSuccess) return attr;
+  const int resident = ResidentBlocks<kernel>(C::kThreads, C::kSmem);
+  Schedule(a, groups, C::kRows, C::kCols);
+  if (resident <= 0 || a.total_blocks < min_waves * resident) return cudaSuccess;
+  const TensorMapEncodeFn encode = TensorMapEncode();
+  if (encode == nullptr) return cudaSuccess;
+  // w as a 2-D tensor of E*N rows of K elements; boxes of kCols rows x 64 k,
+  // zero-filled outside it.
+  CUtensorMap wmap;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.k), static_cast<cuuint64_t>(groups * a.n)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.k) * 2};
+  const cuuint32_t box[2] = {64, C::kCols};
+  const cuuint32_t estrides[2] = {1, 1};
+  if (encode(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(w), dims, strides,
+             box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return cudaSuccess;
+  kernel<<<static_cast<unsigned>(resident), C::kThreads, C::kSmem, stream>>>(wmap, x, sizes, out,
+                                                                              a);
+  *ran = true;
+  return cudaGetLastError();
+}
+
+// The TMA kernel's shape (H200, scripts/decode_gemm_bench.cu, 2026-11-30: 128
+// columns, 3 stages of one 64-k box, 3 blocks per SM; the other shapes tried,
+// 64 or 256 columns, 3-5 stages of one or two boxes, were within 3% of it at
+// 16-128 tokens), and the launches it takes: at least two resident grids'
+// worth of tiles (upper bound). Below, at one token, the block-per-tile
+// skinny kernel was faster (Qwen3-30B gate/up 17.8 vs 29.9 us).
+constexpr int kTmaConsumers = 8, kTmaStages = 3, kTmaBoxes = 1;
+constexpr int64_t kTmaWaves = 2;
+
 // Launches the kernel for one dtype and tile on `stream`; nothing else (no
-// sync, no allocation). m > 0 and n > 0. tile_m is 8, 32, 64 or 128 (256 is
-// resolved by the caller).
+// sync, no allocation). m > 0 and n > 0. tile_m is 8, 16, 32, 64 or 128 (256
+// is resolved by the caller).
 template <ffi::DataType DT>
 cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
                             const int32_t* sizes, void* out, const GemmDims& d,
@@ -858,7 +1138,22 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
     auto* op = static_cast<uint16_t*>(out);
     a.vec_in = d.k % 8 == 0 && Aligned16(xp) && Aligned16(wp);
     a.vec_out = d.n % 8 == 0 && Aligned16(op);
-    if (tile_m == 8 && !a.vec_in) tile_m = 32;  // the skinny kernel only does 16-byte loads
+    // The decode kernels only do 16-byte loads.
+    if ((tile_m == 8 || tile_m == 16) && !a.vec_in) tile_m = 32;
+    if (tile_m == 16) {
+      // The TMA kernel: compute capability 9.0+, at most kPersistMaxE experts,
+      // coordinates in int32, and enough tiles to fill its resident grid
+      // kTmaWaves times (fewer, and the block-per-tile skinny kernel balances
+      // the SMs better). Otherwise tile 8.
+      if (DeviceMajor() >= 9 && d.groups <= kPersistMaxE && d.m < (int64_t{1} << 31) &&
+          d.groups * d.n < (int64_t{1} << 31) && d.k < (int64_t{1} << 31)) {
+        bool ran = false;
+        const cudaError_t err = LaunchTma<T, kTmaConsumers, kTmaStages, kTmaBoxes>(
+            stream, xp, wp, sizes, op, a, d.groups, kTmaWaves, &ran);
+        if (err != cudaSuccess || ran) return err;
+      }
+      tile_m = 8;
+    }
     switch (tile_m) {
       case 8: {
         const unsigned grid = Schedule(a, d.groups, kSR, kSBN);

@@ -139,7 +139,7 @@ def group_gemm_args(x, w, expert_sizes) -> None:
 # group_gemm's rows per tile. 8: the decode kernel; 32, 64, 128: the mma.sync
 # tile kernel; 256: the CUTLASS sm90 kernel (wgmma + TMA, 128- or 256-column
 # tiles of 128 rows) where it can run, else the same as 128.
-TILE_M = (8, 32, 64, 128, 256)
+TILE_M = (8, 16, 32, 64, 128, 256)
 
 
 def tile_m(value) -> int | None:

@@ -137,9 +137,12 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     expert_sizes (E,) -> (M, N) in x's dtype; rows past sum(expert_sizes) are 0.
 
     tile_m (CUDA only; None = the tuning table's or the heuristic's choice, see
-    jax_moe.tuning): rows per tile, 8 (the decode kernel), 32, 64 or 128 (the
-    mma.sync tile kernel), or 256: the CUTLASS sm90 kernel on compute
-    capability 9.0 GPUs for bf16/f16 with N and K multiples of 8, else 128."""
+    jax_moe.tuning): rows per tile, 8 (the decode kernel), 16 (the TMA decode
+    kernel on compute capability 9.0+ GPUs for bf16/f16 with K a multiple of
+    8 and launches of at least two resident grids' worth of tiles, else 8),
+    32, 64 or 128 (the mma.sync tile kernel), or 256: the CUTLASS sm90 kernel
+    on compute capability 9.0 GPUs for bf16/f16 with N and K multiples of 8,
+    else 128."""
     _checks.group_gemm_args(x, w, expert_sizes)
     return _group_gemm_call(x, w, expert_sizes, None, 1, tile_m, x.shape[0])
 

@@ -4,7 +4,8 @@
 
 For each model shape (H, I, E, k) it times both expert GEMMs of the layer
 (gate/up: N = 2I, K = H; down: N = H, K = I) at M = T * k rows for every
-token count T, with every tile_m (256 only where the sm90 kernel runs),
+token count T, with every tile_m (256 only where the sm90 kernel runs, 16
+instead of 8 where the TMA decode kernel does),
 under random top-k routings (several, rotated per call), and keeps the
 fastest tile per M (``best_tile``: the rule's own choice,
 tuning.default_tile_m, stays unless another tile is more than NOISE faster;
@@ -106,22 +107,28 @@ def main(argv=None) -> int:
             w = (jax.random.normal(kw, (e, n, kk), jnp.float32) * kk**-0.5).astype(dtype)
             tkey = tuning.table_key(e, n, kk, dtype)
             sm90 = tuning.sm90_usable(n, kk, dtype)
+            tma = tuning.tma_decode_usable(kk, dtype)
             entries, per_m = [], {}
             for t in args.tokens:
                 m = t * k
                 x = jax.random.normal(kx, (m, kk), jnp.float32).astype(dtype)
                 sizes = _sizes(kr, t, e, k)
-                # The decode tile re-reads an expert's weights per 8 rows: not
-                # a candidate once experts average more than 32 rows. 256 only
-                # where the sm90 kernel runs (elsewhere it is 128 again).
-                tiles = [tl for tl in args.tiles if (tl != 8 or m <= 32 * e) and
-                         (tl != tuning.SM90_TILE or sm90)]
+                # The decode tiles re-read an expert's weights per 8 or 16
+                # rows: not candidates once experts average more than 32 rows.
+                # 256 only where the sm90 kernel runs (elsewhere it is 128
+                # again), 16 only where the TMA decode kernel can (elsewhere it
+                # is 8), and there not 8 (16 is the 8 kernel at the launches
+                # too small for it, and the lookup turns a table's 8 into 16).
+                tiles = [tl for tl in args.tiles
+                         if (tl not in (8, tuning.TMA_TILE) or m <= 32 * e)
+                         and (tl != tuning.SM90_TILE or sm90)
+                         and (tl != tuning.TMA_TILE or tma) and (tl != 8 or not tma)]
                 if not tiles:
                     print(f"{name:16s} {tkey:28s} M={m:6d} no candidate tile", flush=True)
                     continue
                 us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
                       for tile in tiles}
-                best = best_tile(us, tuning.default_tile_m(m, e, sm90=sm90))
+                best = best_tile(us, tuning.default_tile_m(m, e, sm90=sm90, tma=tma))
                 entries.append([m, best])
                 per_m[m] = us
                 print(f"{name:16s} {tkey:28s} M={m:6d} " +

@@ -7,6 +7,16 @@ on (``tuning_tables/<device kind>.json``, written by ``python -m
 jax_moe.tune``) when it lists the problem, else by a rule on the average
 number of rows per expert (``default_tile_m``).
 
+tile_m = 16 is the TMA decode kernel (csrc/cuda/group_gemm.cu): the decode
+kernel's job, up to 16 rows per tile, with the weights streamed by the tensor
+memory accelerator. It runs on GPUs of compute capability 9.0 or newer for
+bf16/f16 with K a multiple of 8, when the launch has at least two resident
+grids' worth of tiles; otherwise tile_m = 16 runs the decode kernel (8). The
+rule picks it wherever it would pick 8 and it is usable
+(``tma_decode_usable``), and a table answer of 8 yields to it there (it is
+the 8 kernel at the launches too small for it; tables written before it
+existed answer 8).
+
 tile_m = 256 is the CUTLASS sm90 kernel (wgmma + TMA, csrc/cuda/
 group_gemm_sm90.cu). It is picked, by the rule or over the table, when all of
 these hold (``sm90_usable``): the extension has it (``HAS_SM90_GEMM``), JAX's
@@ -22,7 +32,8 @@ runs the 128-row kernel.
 Results are bitwise reproducible run to run for any choice. The mma.sync
 tiles (32, 64, 128) give identical bits (each output sums K in the same
 order); the decode kernel (8) splits K over 8 warps and adds the partial sums
-in a fixed order, and the sm90 kernel (256) sums K in wgmma's order, so
+in a fixed order, the TMA decode kernel (16) sums all of K in one warp in k
+order, and the sm90 kernel (256) sums K in wgmma's order, so
 either may differ from the others in the last bits. The sm90 kernel stays
 deterministic because its persistent tile scheduler has no split-K or
 stream-K: one CTA computes each output tile over all of K in a fixed order.
@@ -44,10 +55,12 @@ from jax_moe._ffi import HAS_SM90_GEMM, _ext
 
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
            "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
-           "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable"]
+           "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable", "TMA_TILE",
+           "tma_decode_device", "tma_decode_usable"]
 
 TILE_M = _checks.TILE_M
 SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
+TMA_TILE = 16        # tile_m value of the TMA decode kernel
 # Rows per expert (average) up to which the rule picks the decode kernel (8);
 # above, the sm90 kernel where usable. H200, run O (2026-11-29), the GEMMs of
 # the four model shapes: from 1 to 8 rows per expert the decode kernel won 11
@@ -81,6 +94,25 @@ def _device0_is_sm90() -> bool:
     return hw is not None and tuple(hw["compute_capability"]) == (9, 0)
 
 
+@functools.cache
+def _device0_major() -> int:
+    hw = hardware()
+    return int(hw["compute_capability"][0]) if hw is not None else 0
+
+
+def tma_decode_device() -> bool:
+    """True when the TMA decode kernel can run here: JAX's default backend
+    is a GPU and CUDA device 0 has compute capability 9.0 or newer. The
+    device query is made once."""
+    return _device_kind() is not None and _device0_major() >= 9
+
+
+def tma_decode_usable(k: int, dtype) -> bool:
+    """tma_decode_device() for bf16/f16 with K a multiple of 8 (16-byte rows)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and k % 8 == 0 and k > 0 and tma_decode_device())
+
+
 def sm90_device() -> bool:
     """True when the sm90 kernel can run here: the extension has it
     (HAS_SM90_GEMM), JAX's default backend is a GPU and CUDA device 0 has
@@ -100,17 +132,17 @@ def sm90_usable(n: int, k: int, dtype) -> bool:
     return sm90_shape_ok(n, k, dtype) and sm90_device()
 
 
-def default_tile_m(m: int, experts: int, sm90: bool | None = None) -> int:
+def default_tile_m(m: int, experts: int, sm90: bool | None = None,
+                   tma: bool | None = None) -> int:
     """The rule used when no table has the problem, by average rows per
     expert (m / experts), fitted to the H200 tables: up to DECODE_MAX_ROWS,
-    the decode kernel (it reads each touched expert's weights once, and an
-    expert of more than 8 rows costs an extra pass over them, mostly from
-    L2); above, the sm90 kernel (256) when `sm90` (None: sm90_device()),
-    else 64-row tiles up to 48 rows and 128-row tiles beyond (32-row tiles
-    never won)."""
+    the decode kernel (it reads each touched expert's weights once), its TMA
+    form (16) when `tma` (None: tma_decode_device()), else 8; above, the
+    sm90 kernel (256) when `sm90` (None: sm90_device()), else 64-row tiles
+    up to 48 rows and 128-row tiles beyond (32-row tiles never won)."""
     avg = m / max(experts, 1)
     if avg <= DECODE_MAX_ROWS:
-        return 8
+        return TMA_TILE if (tma_decode_device() if tma is None else tma) else 8
     if sm90_device() if sm90 is None else sm90:
         return SM90_TILE
     if avg <= 48:
@@ -165,16 +197,20 @@ def group_gemm_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) 
     """tile_m for a group_gemm of m rows, w (experts, n, k): the caller's
     choice when given, else the table entry whose m is nearest (log scale),
     else default_tile_m; an answer of 128 becomes 256 where the sm90 kernel
-    applies (see the module docstring). Trace-time only: no device work."""
+    applies, and an answer of 8 becomes 16 where the TMA decode kernel does
+    (see the module docstring). Trace-time only: no device work."""
     chosen = _checks.tile_m(tile_m)
     if chosen is not None:
         return chosen
     sm90 = sm90_usable(n, k, dtype)
+    tma = tma_decode_usable(k, dtype)
     kind = _device_kind()
     entries = load_table(kind).get(table_key(experts, n, k, dtype)) if kind else None
     if entries and m > 0:
         tile = int(min(entries, key=lambda e: abs(math.log2(max(e[0], 1)) - math.log2(m)))[1])
         if tile == 128 and sm90 and m / max(experts, 1) > DECODE_MAX_ROWS:
             return SM90_TILE
+        if tile == 8 and tma:
+            return TMA_TILE
         return tile
-    return default_tile_m(m, experts, sm90=sm90)
+    return default_tile_m(m, experts, sm90=sm90, tma=tma)
