@@ -1069,7 +1069,7 @@ inline TensorMapEncodeFn TensorMapEncode() {
 // (nothing launched) when it has fewer, or when the driver cannot encode the
 // weight map or the occupancy query fails. Needs a device of compute
 // capability 9.0+, w 16-byte aligned, K % 8 == 0 (the caller's vec_in), E*N
-// and K < 2^31, E <= kPersistMaxE, M < 2^31.
+// and K < 2^31 - 256 (int32 coordinates), E <= kPersistMaxE, M < 2^31.
 template <typename T, int Consumers, int Stages, int KB>
 cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
                       const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups,
@@ -1145,8 +1145,10 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
       // coordinates in int32, and enough tiles to fill its resident grid
       // kTmaWaves times (fewer, and the block-per-tile skinny kernel balances
       // the SMs better). Otherwise tile 8.
+      // TMA coordinates are int32: rows up to E*N + 127, k up to K + 63.
+      constexpr int64_t kCoordMax = (int64_t{1} << 31) - 256;
       if (DeviceMajor() >= 9 && d.groups <= kPersistMaxE && d.m < (int64_t{1} << 31) &&
-          d.groups * d.n < (int64_t{1} << 31) && d.k < (int64_t{1} << 31)) {
+          d.groups * d.n < kCoordMax && d.k < kCoordMax) {
         bool ran = false;
         const cudaError_t err = LaunchTma<T, kTmaConsumers, kTmaStages, kTmaBoxes>(
             stream, xp, wp, sizes, op, a, d.groups, kTmaWaves, &ran);
