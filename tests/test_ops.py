@@ -491,15 +491,20 @@ def test_group_gemm_decode_tile_forms_agree_bitwise(rng):
     assert_equal(wide[:, :64], narrow, "persistent vs block per tile")
 
 
+# The decode kernels on a gather large enough for their own schedules: the
+# persistent tile-8 form, and the TMA kernel (tile 16), whose producer applies
+# the gather index (cp.async of the token rows, zero-filled for out-of-range
+# entries).
 @pytest.mark.sanitize
-def test_group_gemm_gather_decode_tile_persistent(rng):
+@pytest.mark.parametrize("tile_m", [8, 16], ids=["persistent", "tma"])
+def test_group_gemm_gather_decode_tiles(rng, tile_m):
     tokens, k, n, experts, topk = 300, 72, 2000, 16, 4
     x = normal(rng, (tokens, k), jnp.bfloat16)
     w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
     d2s, sizes = _gather_rows(rng, tokens, topk, experts)
-    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=8)
+    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=tile_m)
     want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
-    assert_close(got, want, jnp.bfloat16, "gather, tile_m=8, persistent")
+    assert_close(got, want, jnp.bfloat16, f"gather, tile_m={tile_m}")
 
 
 # tile_m = 16 on the GPU (compute capability 9.0+, bf16/f16, K % 8 == 0) runs
@@ -517,19 +522,6 @@ TMA_SHAPES = [(1700, 24, 1500, 16), (600, 136, 2600, 16), (3000, 8, 200, 1100)]
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=str)
 def test_group_gemm_decode_tile_tma(rng, shape, pattern, dtype):
     _check_tile(rng, shape, pattern, 16, dtype)
-
-
-@pytest.mark.sanitize
-def test_group_gemm_gather_decode_tile_tma(rng):
-    # The gather index is applied by the TMA kernel's producer (cp.async of
-    # the token rows, zero-filled for out-of-range entries).
-    tokens, k, n, experts, topk = 300, 72, 2000, 16, 4
-    x = normal(rng, (tokens, k), jnp.bfloat16)
-    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=1.0 / np.sqrt(k))
-    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
-    got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=16)
-    want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
-    assert_close(got, want, jnp.bfloat16, "gather, tile_m=16")
 
 
 def test_group_gemm_decode_tile_tma_is_deterministic(rng):

@@ -86,52 +86,49 @@ def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
         tuning.load_table.cache_clear()
 
 
-@pytest.mark.parametrize("usable", [False, True])
-def test_table_answer_128_yields_to_sm90(tmp_path, monkeypatch, usable):
+@pytest.fixture
+def fake_table(tmp_path, monkeypatch):
+    """install(entries, sm90, tma): a table for "Fake GPU 9000" with `entries`
+    under bf16/E16/N96/K64, that GPU as JAX's device, and the sm90 and TMA
+    decode kernels usable or not; returns pick(m), the table-driven tile_m."""
     kind = "Fake GPU 9000"
-    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
-    table = {"device": kind, "group_gemm": {key: [[16, 64], [128, 128], [1024, 128], [4096, 32],
-                                                  [65536, 128]]}}
-    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
-    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
-    tuning.load_table.cache_clear()
-    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
-    monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: usable)
-    monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: False)
-    try:
-        pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
-        assert pick(16) == 64
-        assert pick(128) == 128                       # 8 rows per expert: not above DECODE_MAX_ROWS
-        assert pick(1024) == (256 if usable else 128)  # 64 rows per expert
-        assert pick(4096) == 32                       # a table answer other than 128 stands
-        assert pick(65536) == (256 if usable else 128)  # 4096 rows per expert
-        assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.bfloat16, 128) == 128  # explicit
-        # not in the table: the rule, told whether the kernel is usable
-        assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.float16) == (256 if usable else 128)
-    finally:
+
+    def install(entries, sm90, tma):
+        table = {"device": kind, "group_gemm": {tuning.table_key(16, 96, 64, jnp.bfloat16): entries}}
+        monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+        (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
         tuning.load_table.cache_clear()
+        monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
+        monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: sm90)
+        monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: tma)
+        return lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)
+
+    yield install
+    tuning.load_table.cache_clear()
 
 
 @pytest.mark.parametrize("usable", [False, True])
-def test_table_answer_8_yields_to_tma_decode(tmp_path, monkeypatch, usable):
-    kind = "Fake GPU 9000"
-    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
-    table = {"device": kind, "group_gemm": {key: [[8, 8], [128, 8], [1024, 32], [65536, 128]]}}
-    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
-    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
-    tuning.load_table.cache_clear()
-    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
-    monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: False)
-    monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: usable)
-    try:
-        pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
-        assert pick(8) == (16 if usable else 8) and pick(128) == (16 if usable else 8)
-        assert pick(1024) == 32 and pick(65536) == 128  # other answers stand
-        assert tuning.group_gemm_tile_m(8, 16, 96, 64, jnp.bfloat16, 8) == 8  # explicit
-        # not in the table: the rule, told whether the kernel is usable
-        assert tuning.group_gemm_tile_m(8, 16, 96, 64, jnp.float16) == (16 if usable else 8)
-    finally:
-        tuning.load_table.cache_clear()
+def test_table_answer_128_yields_to_sm90(fake_table, usable):
+    pick = fake_table([[16, 64], [128, 128], [1024, 128], [4096, 32], [65536, 128]],
+                      sm90=usable, tma=False)
+    assert pick(16) == 64
+    assert pick(128) == 128                       # 8 rows per expert: not above DECODE_MAX_ROWS
+    assert pick(1024) == (256 if usable else 128)  # 64 rows per expert
+    assert pick(4096) == 32                       # a table answer other than 128 stands
+    assert pick(65536) == (256 if usable else 128)  # 4096 rows per expert
+    assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.bfloat16, 128) == 128  # explicit
+    # not in the table: the rule, told whether the kernel is usable
+    assert tuning.group_gemm_tile_m(65536, 16, 96, 64, jnp.float16) == (256 if usable else 128)
+
+
+@pytest.mark.parametrize("usable", [False, True])
+def test_table_answer_8_yields_to_tma_decode(fake_table, usable):
+    pick = fake_table([[8, 8], [128, 8], [1024, 32], [65536, 128]], sm90=False, tma=usable)
+    assert pick(8) == (16 if usable else 8) and pick(128) == (16 if usable else 8)
+    assert pick(1024) == 32 and pick(65536) == 128  # other answers stand
+    assert tuning.group_gemm_tile_m(8, 16, 96, 64, jnp.bfloat16, 8) == 8  # explicit
+    # not in the table: the rule, told whether the kernel is usable
+    assert tuning.group_gemm_tile_m(8, 16, 96, 64, jnp.float16) == (16 if usable else 8)
 
 
 def test_tune_keeps_the_rules_choice_within_noise():
