@@ -73,6 +73,17 @@ struct Case {
 using Launch = void (*)(const uint16_t*, const uint16_t*, const int32_t*, uint16_t*, int64_t,
                         int64_t, int64_t, int64_t);
 
+// The launch arguments of an (m, n, k) problem without gather, 16-byte aligned.
+GemmArgs DenseArgs(int64_t m, int64_t n, int64_t k) {
+  GemmArgs a{};
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.src = RowSource{nullptr, 1, m};
+  a.vec_in = a.vec_out = true;
+  return a;
+}
+
 enum class Form { kShipped, kShipped16, kBlock, kPersistent };
 
 template <Form F>
@@ -90,12 +101,7 @@ void LaunchDecode(const uint16_t* x, const uint16_t* w, const int32_t* sizes, ui
                                          F == Form::kShipped16 ? 16 : 8);
     return;
   }
-  GemmArgs a{};
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  a.src = RowSource{nullptr, 1, m};
-  a.vec_in = a.vec_out = true;
+  GemmArgs a = DenseArgs(m, n, k);
   const unsigned grid = Schedule(a, groups, 8, kSBN);
   if (F == Form::kBlock) {
     GroupGemmSkinnyKernel<T><<<grid, kThreads, 0>>>(x, w, sizes, out, a);
@@ -108,12 +114,7 @@ void LaunchDecode(const uint16_t* x, const uint16_t* w, const int32_t* sizes, ui
 template <int Consumers, int Stages, int KB>
 void LaunchTmaForced(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out,
                       int64_t m, int64_t n, int64_t k, int64_t groups) {
-  GemmArgs a{};
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  a.src = RowSource{nullptr, 1, m};
-  a.vec_in = a.vec_out = true;
+  GemmArgs a = DenseArgs(m, n, k);
   bool ran = false;
   LaunchTma<__nv_bfloat16, Consumers, Stages, KB>(0, x, w, sizes, out, a, groups, 0, &ran);
   if (!ran) printf("tma kernel did not launch\n");
