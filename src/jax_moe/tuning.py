@@ -34,7 +34,9 @@ tiles (32, 64, 128) give identical bits (each output sums K in the same
 order); the decode kernel (8) splits K over 8 warps and adds the partial sums
 in a fixed order, the TMA decode kernel (16) sums all of K in one warp in k
 order, and the sm90 kernel (256) sums K in wgmma's order, so
-either may differ from the others in the last bits. The sm90 kernel stays
+any of them may differ from the others in the last bits (and tile 16 from
+itself between launches below and above its size threshold, where it runs
+the 8 kernel). The sm90 kernel stays
 deterministic because its persistent tile scheduler has no split-K or
 stream-K: one CTA computes each output tile over all of K in a fixed order.
 """
