@@ -218,15 +218,14 @@ cudaError_t EnsureDynamicSmem(int bytes) {
   return err;
 }
 
-// How many blocks of `Kernel` (`threads` threads, `dynamic_smem` bytes of
-// dynamic shared memory; a kernel passes the same values at every call) the
-// current device holds at once: occupancy x SM count, asked once per
-// device (not a stream operation: safe while XLA captures a command buffer).
-// 0 when the query fails.
-template <auto Kernel>
-int ResidentBlocks(int threads, int dynamic_smem = 0) {
+// A positive per-device value, asked of `query(device)` once per device and
+// each call site (each lambda type has its own cache) and cached; the query
+// returns <= 0 when it fails, and so does this (0), then and later. Not a
+// stream operation: safe while XLA captures a command buffer.
+template <typename Query>
+int OncePerDevice(Query&& query) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet
+  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet; -1: failed
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
@@ -234,38 +233,39 @@ int ResidentBlocks(int threads, int dynamic_smem = 0) {
   }
   int v = dev >= 0 && dev < kMaxDevices ? cache[dev].load(std::memory_order_acquire) : 0;
   if (v == 0) {
-    int per_sm = 0, sms = 0;
-    const bool ok =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, dynamic_smem) ==
-                cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+    v = query(dev);
     cudaGetLastError();
-    v = ok && per_sm > 0 && sms > 0 ? per_sm * sms : -1;
+    if (v <= 0) v = -1;
     if (dev >= 0 && dev < kMaxDevices) cache[dev].store(v, std::memory_order_release);
   }
   return v > 0 ? v : 0;
 }
 
-// The current device's compute capability major version, asked once per
-// device (not a stream operation); 0 when the query fails.
-inline int DeviceMajor() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  int v = dev >= 0 && dev < kMaxDevices ? cache[dev].load(std::memory_order_acquire) : 0;
-  if (v == 0) {
-    int major = 0;
+// How many blocks of `Kernel` (`threads` threads, `dynamic_smem` bytes of
+// dynamic shared memory; a kernel passes the same values at every call) the
+// current device holds at once: occupancy x SM count, asked once per device.
+// 0 when the query fails.
+template <auto Kernel>
+int ResidentBlocks(int threads, int dynamic_smem = 0) {
+  return OncePerDevice([&](int dev) {
+    int per_sm = 0, sms = 0;
     const bool ok =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
-    cudaGetLastError();
-    v = ok && major > 0 ? major : -1;
-    if (dev >= 0 && dev < kMaxDevices) cache[dev].store(v, std::memory_order_release);
-  }
-  return v > 0 ? v : 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, dynamic_smem) ==
+                cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+    return ok ? per_sm * sms : 0;
+  });
+}
+
+// The current device's compute capability major version, asked once per
+// device; 0 when the query fails.
+inline int DeviceMajor() {
+  return OncePerDevice([](int dev) {
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess
+               ? major
+               : 0;
+  });
 }
 
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
