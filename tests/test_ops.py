@@ -473,13 +473,6 @@ def test_cuda_group_gemm_tiles_large(rng, tile_m):
 PERSIST_SHAPES = [(600, 72, 2000, 16), (1000, 128, 1030, 130), (3000, 8, 200, 1100)]
 
 
-@dtypes
-@pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
-@pytest.mark.parametrize("shape", PERSIST_SHAPES, ids=str)
-def test_group_gemm_decode_tile_persistent(rng, shape, pattern, dtype):
-    _check_tile(rng, shape, pattern, 8, dtype)
-
-
 def test_group_gemm_decode_tile_forms_agree_bitwise(rng):
     # N = 2000 runs the persistent form on the GPU (5,796 blocks), its first 64
     # columns alone the block per tile (184 blocks); both sum K (17 k steps of
@@ -517,11 +510,16 @@ def test_group_gemm_gather_decode_tiles(rng, tile_m):
 TMA_SHAPES = [(1700, 24, 1500, 16), (600, 136, 2600, 16), (3000, 8, 200, 1100)]
 
 
+# The decode kernels with their own schedules, at the shapes above: the
+# persistent tile-8 form and the TMA kernel (tile 16).
 @dtypes
 @pytest.mark.parametrize("pattern", ["random", "all_in_one", "partial", "empty_first_middle_last"])
-@pytest.mark.parametrize("shape", TMA_SHAPES, ids=str)
-def test_group_gemm_decode_tile_tma(rng, shape, pattern, dtype):
-    _check_tile(rng, shape, pattern, 16, dtype)
+@pytest.mark.parametrize("tile_m, shape",
+                         [(8, s) for s in PERSIST_SHAPES] + [(16, s) for s in TMA_SHAPES],
+                         ids=[f"persistent-{s}" for s in PERSIST_SHAPES] +
+                             [f"tma-{s}" for s in TMA_SHAPES])
+def test_group_gemm_decode_tiles_large(rng, tile_m, shape, pattern, dtype):
+    _check_tile(rng, shape, pattern, tile_m, dtype)
 
 
 def test_group_gemm_decode_tile_tma_is_deterministic(rng):
