@@ -109,10 +109,16 @@ def tma_decode_device() -> bool:
     return _device_kind() is not None and _device0_major() >= 9
 
 
+def _tma_rows_ok(k: int, dtype) -> bool:
+    """What both TMA kernels need of x and w: bf16/f16 rows of K > 0
+    elements, a multiple of 8 (16 bytes)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and k % 8 == 0 and k > 0)
+
+
 def tma_decode_usable(k: int, dtype) -> bool:
     """tma_decode_device() for bf16/f16 with K a multiple of 8 (16-byte rows)."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and k % 8 == 0 and k > 0 and tma_decode_device())
+    return _tma_rows_ok(k, dtype) and tma_decode_device()
 
 
 def sm90_device() -> bool:
@@ -125,8 +131,7 @@ def sm90_device() -> bool:
 def sm90_shape_ok(n: int, k: int, dtype) -> bool:
     """The problems the sm90 kernel takes: bf16/f16, N and K multiples of 8
     (16-byte rows for TMA), K > 0."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and n % 8 == 0 and k % 8 == 0 and k > 0)
+    return _tma_rows_ok(k, dtype) and n % 8 == 0
 
 
 def sm90_usable(n: int, k: int, dtype) -> bool:
