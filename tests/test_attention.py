@@ -187,8 +187,9 @@ def test_decode_split_constants_match_the_extension():
 
 def test_decode_split_tokens_rule():
     # long splits while the GPU still gets enough blocks; never past the capacity
-    assert attention.decode_split_tokens(64, 32, 8, 4096, jnp.bfloat16) == 2048
-    assert attention.decode_split_tokens(8, 32, 8, 32768, jnp.bfloat16) == 2048
+    assert attention.decode_split_tokens(64, 32, 8, 4096, jnp.bfloat16) == 1024
+    assert attention.decode_split_tokens(8, 32, 8, 32768, jnp.bfloat16) == 1024
+    assert attention.decode_split_tokens(64, 32, 8, 16384, jnp.bfloat16) == 2048
     assert attention.decode_split_tokens(1, 32, 8, 4096, jnp.bfloat16) == 256
     assert attention.decode_split_tokens(512, 32, 8, 300, jnp.bfloat16) == 512
     assert attention.decode_split_tokens(4096, 64, 8, 1 << 20, jnp.float32) == 2048

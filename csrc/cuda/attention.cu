@@ -141,20 +141,6 @@ __device__ __forceinline__ float WarpMax(float x) {
   return x;
 }
 
-// Block-wide max (xor tree in each warp, then the warps in order); every
-// thread gets the result.
-template <int kNumWarps>
-__device__ __forceinline__ float BlockMax(float x, float* scratch) {
-  x = WarpMax(x);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-  __syncthreads();
-  float r = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kNumWarps; ++w) r = fmaxf(r, scratch[w]);
-  __syncthreads();  // scratch free again
-  return r;
-}
-
 __device__ __forceinline__ int64_t ClampLength(int32_t len, int64_t max_tokens) {
   const int64_t l = len;
   return l < 0 ? 0 : (l > max_tokens ? max_tokens : l);
@@ -676,83 +662,90 @@ __global__ void __launch_bounds__(kDecodeThreads)
   StoreSplit<kMmaRows, D, true>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
 }
 
-constexpr int kCombineThreads = 256;
-constexpr int kCombineChunk = 256;  // splits whose weights are staged in shared memory at once
+constexpr int kCombineWarps = 4;  // one (sequence, query head) per warp
+constexpr int kCombineThreads = 32 * kCombineWarps;
+constexpr int kCombineBatch = 8;  // partial outputs in flight per lane (divides 32)
 
-// grid (batch * hq), kCombineThreads threads: out = sum_s w_s o_s / sum_s w_s l_s
-// over the splits holding tokens, w_s = exp(m_s - max_s m_s); no valid token: 0.
-// Thread (r, v) reads float4 v of the partial outputs of splits r, r + kPhases,
-// ... (several 16-byte loads in flight); the phases are summed in phase order.
+// grid (ceil(rows / kCombineWarps)), kCombineThreads threads; warp w of the
+// block merges row bh = batch * hq + head (bh < rows): out = sum_s w_s o_s /
+// sum_s w_s l_s over the splits holding tokens, w_s = exp(m_s - max_s m_s);
+// no valid token: 0. Lane l holds elements l * D / 32 .. of every partial
+// output and adds the splits in split order; the weights of 32 splits are
+// computed one per lane and broadcast by shuffle. No shared memory and no
+// block barrier: a length, the stats, then the partial outputs
+// kCombineBatch splits at a time. Sums run in a fixed order (bitwise
+// reproducible run to run).
 template <ffi::DataType DT, int D>
 __global__ void __launch_bounds__(kCombineThreads)
     DecodeCombineKernel(const float* __restrict__ part_out, const float* __restrict__ part_stats,
-                        const int32_t* __restrict__ lengths, int64_t hq, int64_t max_tokens,
-                        int64_t num_splits, int64_t split,
+                        const int32_t* __restrict__ lengths, int64_t hq, int64_t rows,
+                        int64_t max_tokens, int64_t num_splits, int64_t split,
                         typename DevScalar<DT>::T* __restrict__ out) {
   using S = DevScalar<DT>;
-  constexpr int kV = D / 4;
-  constexpr int kPhases = kCombineThreads / kV;
-  static_assert(D % 4 == 0 && kCombineThreads % kV == 0, "combine layout");
-  __shared__ float w[kCombineChunk];
-  __shared__ float wl[kCombineChunk];
-  __shared__ float4 red[kPhases * kV];
-  __shared__ float scratch[kCombineThreads / 32];
-
-  const int64_t bh = blockIdx.x;
-  const int64_t b = bh / hq;
-  const int tid = threadIdx.x, v = tid % kV, r = tid / kV;
-  const int64_t len = ClampLength(lengths[b], max_tokens);
+  constexpr int kE = D / 32;  // elements per lane
+  static_assert(D % 32 == 0 && (kE == 2 || kE % 4 == 0), "combine layout");
+  const int lane = threadIdx.x % 32;
+  const int64_t bh = blockIdx.x * int64_t{kCombineWarps} + threadIdx.x / 32;
+  if (bh >= rows) return;  // warp-uniform
+  const int64_t len = ClampLength(lengths[bh / hq], max_tokens);
   int64_t used = (len + split - 1) / split;  // splits holding tokens
   if (used > num_splits) used = num_splits;
   const float* st = part_stats + bh * num_splits * 2;
-  const float4* po = reinterpret_cast<const float4*>(part_out + bh * num_splits * D);
+  const float* po = part_out + bh * num_splits * D + lane * kE;
 
   float mx = -INFINITY;
-  for (int64_t s = tid; s < used; s += kCombineThreads) mx = fmaxf(mx, st[2 * s]);
-  mx = BlockMax<kCombineThreads / 32>(mx, scratch);
-  float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
-  float den = 0.f;
-  for (int64_t c0 = 0; c0 < used; c0 += kCombineChunk) {
-    const int n = static_cast<int>(used - c0 < kCombineChunk ? used - c0 : kCombineChunk);
-    for (int j = tid; j < n; j += kCombineThreads) {
-      const float ms = st[2 * (c0 + j)];
-      const float ws = ms == -INFINITY ? 0.f : expf(ms - mx);  // a split without valid token: 0
-      w[j] = ws;
-      wl[j] = ws * st[2 * (c0 + j) + 1];
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int j = r; j < n; j += kPhases) {
-      const float4 o = po[(c0 + j) * kV + v];
-      const float ws = w[j];
-      num.x += ws * o.x;
-      num.y += ws * o.y;
-      num.z += ws * o.z;
-      num.w += ws * o.w;
-    }
-    if (r == 0) {
-      for (int j = 0; j < n; ++j) den += wl[j];
-    }
-    __syncthreads();  // w, wl consumed before the next chunk overwrites them
-  }
-  red[r * kV + v] = num;
-  __syncthreads();
-  if (r == 0) {
-    float4 o = red[v];
+  for (int64_t s = lane; s < used; s += 32) mx = fmaxf(mx, st[2 * s]);
+  mx = WarpMax(mx);
+  float acc[kE];
 #pragma unroll
-    for (int p = 1; p < kPhases; ++p) {
-      const float4 x = red[p * kV + v];
-      o.x += x.x;
-      o.y += x.y;
-      o.z += x.z;
-      o.w += x.w;
+  for (int e = 0; e < kE; ++e) acc[e] = 0.f;
+  float den = 0.f;
+  for (int64_t c0 = 0; c0 < used; c0 += 32) {
+    float ws = 0.f;  // the weight of split c0 + lane
+    if (c0 + lane < used) {
+      const float ms = st[2 * (c0 + lane)];
+      ws = ms == -INFINITY ? 0.f : expf(ms - mx);  // a split without valid token: 0
+      den += ws * st[2 * (c0 + lane) + 1];
     }
-    auto* dst = out + bh * D + 4 * v;
-    dst[0] = S::Store(den > 0.f ? o.x / den : 0.f);
-    dst[1] = S::Store(den > 0.f ? o.y / den : 0.f);
-    dst[2] = S::Store(den > 0.f ? o.z / den : 0.f);
-    dst[3] = S::Store(den > 0.f ? o.w / den : 0.f);
+    // Eight partial outputs are loaded before any is added, so that a row
+    // of many splits costs a few memory round trips, not one per split.
+    // Past the last split the loads are skipped and the weight is 0.
+    const int n = static_cast<int>(used - c0 < 32 ? used - c0 : 32);
+    for (int j0 = 0; j0 < n; j0 += kCombineBatch) {
+      float x[kCombineBatch][kE];
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const float* row = po + (c0 + j0 + u) * D;
+        const bool live = j0 + u < n;
+        if constexpr (kE == 2) {
+          const float2 v = live ? *reinterpret_cast<const float2*>(row) : make_float2(0.f, 0.f);
+          x[u][0] = v.x;
+          x[u][1] = v.y;
+        } else {
+#pragma unroll
+          for (int q = 0; q < kE / 4; ++q) {
+            const float4 v = live ? reinterpret_cast<const float4*>(row)[q]
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+            x[u][4 * q] = v.x;
+            x[u][4 * q + 1] = v.y;
+            x[u][4 * q + 2] = v.z;
+            x[u][4 * q + 3] = v.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const float wj = __shfl_sync(0xffffffffu, ws, j0 + u);  // 0 past the last split
+#pragma unroll
+        for (int e = 0; e < kE; ++e) acc[e] += wj * x[u][e];
+      }
+    }
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+  auto* dst = out + bh * D + lane * kE;
+#pragma unroll
+  for (int e = 0; e < kE; ++e) dst[e] = S::Store(den > 0.f ? acc[e] / den : 0.f);
 }
 
 // Launches a split kernel on a grid of (batch x kv heads x chunks of `rows`
@@ -781,9 +774,11 @@ ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
       head_chunks, d.num_pages, d.page_size, d.max_pages, d.num_splits, split, scale, part_out,
       part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
-  const unsigned combine_blocks = static_cast<unsigned>(d.batch * d.hq);
+  const int64_t out_rows = d.batch * d.hq;
+  const auto combine_blocks =
+      static_cast<unsigned>((out_rows + kCombineWarps - 1) / kCombineWarps);
   DecodeCombineKernel<DT, D><<<combine_blocks, kCombineThreads, 0, stream>>>(
-      part_out, part_stats, lengths, d.hq, d.max_tokens, d.num_splits, d.split_tokens,
+      part_out, part_stats, lengths, d.hq, out_rows, d.max_tokens, d.num_splits, d.split_tokens,
       static_cast<T*>(out));
   return LastCudaError("paged_decode combine launch");
 }

@@ -42,10 +42,12 @@ __all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "prefill_p
 DECODE_SPLIT_UNIT: int = int(_ffi._ext.DECODE_SPLIT_UNIT)
 DECODE_MAX_SPLIT_TOKENS: int = int(_ffi._ext.DECODE_MAX_SPLIT_TOKENS)
 # The automatic split: the longest of 256 .. DECODE_MAX_SPLIT_TOKENS tokens
-# that still gives the GPU this many blocks (several waves of its 2 blocks
-# per SM: longer splits amortise each block's start and merge, and write
-# fewer partial results; too few blocks leave SMs idle).
-_DECODE_MIN_BLOCKS = 1024
+# that still gives the GPU this many blocks (about 5 waves of its 3 blocks
+# per SM on an H200: longer splits amortise each block's start and merge and
+# write fewer partial results; fewer, longer blocks leave a ragged last wave.
+# scripts/decode_attn_bench.cu, 2026-11-30: 1024-token splits (2048 blocks)
+# read at 4.01 / 4.05 TB/s where 2048-token splits read at 3.93 / 4.00).
+_DECODE_MIN_BLOCKS = 2048
 
 
 def _sds(shape, dtype):
