@@ -19,7 +19,7 @@ Timing: a jitted straight-line loop of many calls, each call's output is the
 next call's query (nothing hoisted or cached), run after a warm-up several
 times (median); the time per call is the slope between a loop of --calls
 calls and one of a fifth as many, so that the fixed cost of dispatching a
-program cancels out (see time_loop). cuDNN rows are
+program cancels out (_bench_common.per_call_seconds). cuDNN rows are
 attempted on GPU only and recorded as failed when cuDNN refuses the shape.
 
     python benchmarks/bench_attention.py                       # full grid (meant for the GPU)
@@ -29,13 +29,12 @@ attempted on GPU only and recorded as failed when cuDNN refuses the shape.
 from __future__ import annotations
 
 import argparse
-import statistics
 from datetime import date
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import chain, pyplot, wall_time, write_json
+from _bench_common import chain, per_call_seconds, pyplot, write_json
 
 from jax_moe import attention
 
@@ -50,14 +49,8 @@ QUICK_HEADS = (4, 2, 64)
 
 
 def time_loop(step, q, args, calls, repeats):
-    """Seconds per call of `step(q, *args) -> q'`: the slope between two jitted
-    straight-line programs (_bench_common.chain) of `calls` and `calls // 5`
-    calls, each call on the previous call's output, each program's time the
-    median of `repeats` runs. The slope is device time per call, gaps between
-    calls included; the fixed cost of dispatching a program (hundreds of µs
-    on the H200 here, 5-35% of a 20-call program) cancels out. With fewer
-    than 5 calls: the long program's time / calls."""
-    short = calls // 5
+    """Device seconds per call of `step(q, *args) -> q'`, chained on its own
+    output (_bench_common.per_call_seconds)."""
 
     def program(n):
         @jax.jit
@@ -65,13 +58,9 @@ def time_loop(step, q, args, calls, repeats):
             return chain(lambda i, x: step(x, *args), n, q)
 
         run(q, *args).block_until_ready()  # compile + warm-up
-        return statistics.median(wall_time(lambda: run(q, *args).block_until_ready())
-                                 for _ in range(repeats))
+        return lambda: run(q, *args).block_until_ready()
 
-    long_s = program(calls)
-    if short < 1:
-        return long_s / calls
-    return (long_s - program(short)) / (calls - short)
+    return per_call_seconds(program, calls, repeats)
 
 
 def dense_impls(on_gpu: bool):

@@ -1,10 +1,12 @@
 """End-to-end MoE layer benchmark: jax_moe (FFI kernels) vs the pure-JAX path
 (reference.py, jax.lax.ragged_dot), routing through combine.
 
-Device time per call comes from one jitted program of many calls: each call feeds
+Device time per call comes from jitted programs of many calls: each call feeds
 its output to the next and takes fresh routing (the logits rotate among several
-random batches), so nothing is cached or hoisted. After a warm-up the loop runs
-several times; the median per-call time is reported, with % of the hardware
+random batches), so nothing is cached or hoisted. After a warm-up each program
+runs several times (median); the time per call is the slope between a program
+of --calls calls and one of a fifth as many (the fixed cost of dispatching a
+program cancels out; _bench_common.per_call_seconds), reported with % of the hardware
 floor max(bytes / bandwidth, FLOPs / matmul rate) where bytes are the weights
 of the experts the batch touches plus activations in and out.
 
@@ -15,13 +17,12 @@ of the experts the batch touches plus activations in and out.
 from __future__ import annotations
 
 import argparse
-import statistics
 from datetime import date
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import chain, pyplot, wall_time, write_json
+from _bench_common import chain, per_call_seconds, pyplot, wall_time, write_json
 
 import jax_moe
 
@@ -108,9 +109,13 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_
         if n_calls == 0:  # --ref-calls 0: the pure-JAX path is not timed
             row[f"{backend}_us"] = None
             continue
-        run = make_loop(backend, k, n_calls, routing)
-        try:
+        def program(n, backend=backend):
+            run = make_loop(backend, k, n, routing)
             run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
+            return lambda: run(x, logits, w13, w2, bias).block_until_ready()
+
+        try:
+            sec = per_call_seconds(program, n_calls, repeats)
         except jax.errors.JaxRuntimeError as exc:
             if backend == "ffi":
                 raise
@@ -119,9 +124,7 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_
             print(f"  pure-JAX path failed for {name} T={tokens}: {str(exc).splitlines()[0][:120]}")
             row[f"{backend}_us"] = None
             continue
-        times = [wall_time(lambda: run(x, logits, w13, w2, bias).block_until_ready()) / n_calls
-                 for _ in range(repeats)]
-        row[f"{backend}_us"] = statistics.median(times) * 1e6
+        row[f"{backend}_us"] = sec * 1e6
     row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)
     row["tflops"] = flops / (row["ffi_us"] * 1e-6) / 1e12
     ref = row["reference_us"]
