@@ -12,6 +12,7 @@
 #define ATTN_CU "../csrc/cuda/attention.cu"
 #endif
 #include ATTN_CU
+#include "bench_util.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -22,14 +23,6 @@
 namespace jax_moe {
 namespace {
 
-#define CK(x)                                                               \
-  do {                                                                      \
-    cudaError_t e_ = (x);                                                   \
-    if (e_ != cudaSuccess) {                                                \
-      printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
 
 constexpr int kD = 128, kHkv = 8, kHq = 32, kChunks = kD / 8;
 constexpr int kTileVecs = 16 * kChunks;  // 16 rows of 256 B per tile and tensor
@@ -248,25 +241,10 @@ int main() {
     const double bytes = 2.0 * p.batch * p.len * kHkv * kD * 2;
     printf("B=%lld L=%lld split=%d page 16: %.1f MB of K+V\n", (long long)p.batch,
            (long long)p.len, p.split, bytes / 1e6);
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     for (const Variant& var : variants) {
-      for (int i = 0; i < 3; ++i) var.fn(p);
+      for (int i = 0; i < 3; ++i) var.fn(p);  // warm-up
       CK(cudaDeviceSynchronize());
-      std::vector<float> ts;
-      for (int r = 0; r < kReps; ++r) {
-        CK(cudaEventRecord(e0));
-        for (int i = 0; i < kCalls; ++i) var.fn(p);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        ts.push_back(ms * 1000.f / kCalls);
-      }
-      CK(cudaGetLastError());
-      std::sort(ts.begin(), ts.end());
-      const float us = ts[kReps / 2];
+      const double us = MedianLaunchMicros([&](int) { var.fn(p); }, kCalls, kReps);
       printf("  %-28s %8.1f us  %.2f TB/s\n", var.name, us, bytes / us / 1e6);
     }
     CK(cudaFree(k));

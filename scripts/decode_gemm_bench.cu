@@ -11,6 +11,7 @@
 // Bytes are the weights of the experts the routing touches (mean over the
 // rotated routings); times are the median of 7 repeats of 20 launches.
 #include "../csrc/cuda/group_gemm.cu"
+#include "bench_util.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -56,14 +57,6 @@ __global__ void StreamKernel(const uint4* p, int64_t n16, unsigned* sink) {
   if (acc == 0x12345678u) *sink = acc;
 }
 
-#define CK(x)                                                                   \
-  do {                                                                          \
-    cudaError_t e_ = (x);                                                       \
-    if (e_ != cudaSuccess) {                                                    \
-      printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_));     \
-      exit(1);                                                                  \
-    }                                                                           \
-  } while (0)
 
 struct Case {
   const char* name;
@@ -206,25 +199,9 @@ int main() {
     CK(cudaDeviceSynchronize());
     std::vector<float> href(m * cs.N);
     CK(cudaMemcpy(href.data(), ref, href.size() * 4, cudaMemcpyDeviceToHost));
-    // ceiling: stream the same bytes
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     // Median over kReps of the mean time of kCalls launches of fn(call).
-    auto median_us = [&](auto&& fn) {
-      std::vector<float> ts;
-      for (int rep = 0; rep < kReps; ++rep) {
-        CK(cudaEventRecord(e0));
-        for (int c = 0; c < kCalls; ++c) fn(c);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        ts.push_back(ms * 1000 / kCalls);
-      }
-      std::sort(ts.begin(), ts.end());
-      return static_cast<double>(ts[kReps / 2]);
-    };
+    auto median_us = [&](auto&& fn) { return MedianLaunchMicros(fn, kCalls, kReps); };
+    // ceiling: stream the same bytes
     {
       const int64_t n16 = (int64_t)bytes / 16;  // different weights per call, like the routings
       const double us = median_us([&](int c) {
@@ -260,8 +237,6 @@ int main() {
     CK(cudaFree(out));
     CK(cudaFree(ref));
     CK(cudaFree(sizes));
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
   }
   return 0;
 }
