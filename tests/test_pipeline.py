@@ -19,7 +19,12 @@ moe_jit = jax.jit(jax_moe.moe_forward,
 
 # ||ffi - reference|| / ||reference||: both round to the dtype at the same
 # points (h, a, y, out), so they differ only by rounding flips (see common.RTOL).
-BACKEND_TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2,
+# On the CPU they agree bit for bit; the CUDA kernels accumulate in another
+# order, and with few outputs (T = 1: 72 values) the flips of one bf16 ulp
+# (2^-8) in h and a add up to 1.16e-2 at a fresh seed on the H200 (2026-11-30).
+# bf16 therefore gets the oracle's bound: each side is within 2e-2 of the
+# exact result (below), and a wrong expert or weight is off by O(1).
+BACKEND_TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2,
                jnp.dtype(jnp.float16): 2e-3}
 # Against the float64 oracle, which never rounds: four roundings to the dtype
 # (h, a, y, out) of up to half an ulp each (bf16 2^-8, f16 2^-11; measured
