@@ -196,6 +196,9 @@ int main() {
       {"shipped kernel + combine", RunShipped},
       {"combine alone", RunCombine},
       {"copy 2st setup-loop", RunCopy<2, 0, false>},
+      {"copy 2st setup-unrolled", RunCopy<2, 1, false>},
+      {"copy 2st no-setup", RunCopy<2, 2, false>},
+      {"copy 3st no-setup", RunCopy<3, 2, false>},
       {"copy 2st setup-loop rows", RunCopy<2, 0, true>},
   };
   struct Case { int64_t batch, len; int split; };
