@@ -35,6 +35,8 @@ struct Problem {
   unsigned* sink;
 };
 
+int64_t Splits(const Problem& p) { return (p.len + p.split - 1) / p.split; }
+
 // Copy-only: grid (batch * hkv, splits), 4 warps; each warp copies its tiles
 // (16 rows of 256 B of K and of V) through a Stages-deep ring and xors one
 // word per chunk. Setup: 0 = the shipped SetupSplit (slot_of in shared
@@ -140,8 +142,7 @@ void RunCopy(const Problem& p) {
   auto kern = CopyKernel<Stages, Setup, Rows>;
   const int smem = 4 * Stages * 2 * kTileVecs * 16 + (Setup == 2 ? 0 : p.split * 4);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int64_t splits = (p.len + p.split - 1) / p.split;
-  kern<<<dim3(p.batch * kHkv, splits), 128, smem>>>(p);
+  kern<<<dim3(p.batch * kHkv, Splits(p)), 128, smem>>>(p);
 }
 
 struct Shipped {
@@ -151,28 +152,23 @@ struct Shipped {
 };
 Shipped g_ship;
 
-void RunShipped(const Problem& p) {
-  using C = MmaDecode<kD>;
-  auto kern = DecodeSplitMmaKernel<ffi::DataType::BF16, kD>;
-  const int64_t splits = (p.len + p.split - 1) / p.split;
-  const int smem = C::kFixedBytes + p.split * 4;
-  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
-  kern<<<dim3(p.batch * kHkv, splits), kDecodeThreads, smem>>>(
-      g_ship.q, reinterpret_cast<const __nv_bfloat16*>(p.k),
-      reinterpret_cast<const __nv_bfloat16*>(p.v), p.table, p.lengths, kHq, kHkv, kHq / kHkv, 1,
-      p.num_pages, p.page, p.max_pages, splits, p.split, 0.088f, g_ship.po, g_ship.ps);
+void RunCombine(const Problem& p) {  // the combine kernel alone (on the last partials)
   DecodeCombineKernel<ffi::DataType::BF16, kD>
       <<<(p.batch * kHq + kCombineWarps - 1) / kCombineWarps, kCombineThreads>>>(
-          g_ship.po, g_ship.ps, p.lengths, kHq, p.batch * kHq, p.max_pages * p.page, splits,
+          g_ship.po, g_ship.ps, p.lengths, kHq, p.batch * kHq, p.max_pages * p.page, Splits(p),
           p.split, g_ship.out);
 }
 
-void RunCombine(const Problem& p) {  // the combine kernel alone (on the last partials)
-  const int64_t splits = (p.len + p.split - 1) / p.split;
-  DecodeCombineKernel<ffi::DataType::BF16, kD>
-      <<<(p.batch * kHq + kCombineWarps - 1) / kCombineWarps, kCombineThreads>>>(
-          g_ship.po, g_ship.ps, p.lengths, kHq, p.batch * kHq, p.max_pages * p.page, splits,
-          p.split, g_ship.out);
+void RunShipped(const Problem& p) {  // the split kernel, then the combine, as LaunchDecode does
+  using C = MmaDecode<kD>;
+  auto kern = DecodeSplitMmaKernel<ffi::DataType::BF16, kD>;
+  const int smem = C::kFixedBytes + p.split * 4;
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  kern<<<dim3(p.batch * kHkv, Splits(p)), kDecodeThreads, smem>>>(
+      g_ship.q, reinterpret_cast<const __nv_bfloat16*>(p.k),
+      reinterpret_cast<const __nv_bfloat16*>(p.v), p.table, p.lengths, kHq, kHkv, kHq / kHkv, 1,
+      p.num_pages, p.page, p.max_pages, Splits(p), p.split, 0.088f, g_ship.po, g_ship.ps);
+  RunCombine(p);
 }
 
 void RunStream(const Problem& p) {
@@ -235,7 +231,7 @@ int main() {
     p.v = v;
     p.table = table;
     p.lengths = lengths;
-    const int64_t splits = (p.len + p.split - 1) / p.split;
+    const int64_t splits = Splits(p);
     CK(cudaMalloc(&g_ship.q, p.batch * kHq * kD * 2));
     CK(cudaMemset((void*)g_ship.q, 0x3c, p.batch * kHq * kD * 2));
     CK(cudaMalloc(&g_ship.po, p.batch * kHq * splits * kD * 4));
