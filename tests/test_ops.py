@@ -522,14 +522,18 @@ def test_group_gemm_decode_tiles_large(rng, tile_m, shape, pattern, dtype):
     _check_tile(rng, shape, pattern, tile_m, dtype)
 
 
-def test_group_gemm_decode_tile_tma_is_deterministic(rng):
-    # One warp sums each output over all of K in k order: the same bits every
-    # call, eager and jitted.
-    x, w, sizes = _gemm_inputs(rng, (600, 136, 2600, 16), "random", jnp.bfloat16)
-    first = ops.group_gemm(x, w, sizes, tile_m=16)
-    assert_equal(ops.group_gemm(x, w, sizes, tile_m=16), first, "second eager run")
-    jitted = jax.jit(functools.partial(ops.group_gemm, tile_m=16))
-    assert_equal(jitted(x, w, sizes), first, "jitted")
+@pytest.mark.parametrize("tile_m, shape", [(16, (600, 136, 2600, 16)), (256, (2100, 200, 264, 4))],
+                         ids=["tma", "sm90"])
+def test_group_gemm_is_bitwise_reproducible(rng, tile_m, shape):
+    # The TMA decode kernel (tile 16: one warp sums each output over all of K
+    # in k order) and the sm90 kernel (tile 256: no split-K or stream-K): the
+    # same bits every run, eager or jitted.
+    x, w, sizes = _gemm_inputs(rng, shape, "random", jnp.bfloat16)
+    first = ops.group_gemm(x, w, sizes, tile_m=tile_m)
+    assert_equal(ops.group_gemm(x, w, sizes, tile_m=tile_m), first, "second eager run")
+    jitted = jax.jit(functools.partial(ops.group_gemm, tile_m=tile_m))
+    assert_equal(jitted(x, w, sizes), first, "jitted run")
+    assert_equal(jitted(x, w, sizes), first, "second jitted run")
 
 
 # ------------------------------------------------- tile_m = 256: the sm90 kernel
@@ -629,16 +633,6 @@ def test_group_gemm_sm90_falls_back(rng, case):
     got = ops.group_gemm(x, w, sizes, tile_m=256)
     assert_close(got, ref.group_gemm(x, w, sizes), dtype, f"{case}, sizes={sizes}")
     assert_equal(got, ops.group_gemm(x, w, sizes, tile_m=128), f"{case}: tile_m=256 vs 128")
-
-
-def test_group_gemm_sm90_is_bitwise_reproducible(rng):
-    # No split-K or stream-K: the same bits every run, eager or jitted.
-    x, w, sizes = _gemm_inputs(rng, (2100, 200, 264, 4), "random", jnp.bfloat16)
-    first = ops.group_gemm(x, w, sizes, tile_m=256)
-    assert_equal(ops.group_gemm(x, w, sizes, tile_m=256), first, "second eager run")
-    jitted = jax.jit(functools.partial(ops.group_gemm, tile_m=256))
-    assert_equal(jitted(x, w, sizes), first, "jitted run")
-    assert_equal(jitted(x, w, sizes), first, "second jitted run")
 
 
 def test_group_gemm_sm90_jit_new_routing(rng):
