@@ -91,22 +91,17 @@ def hardware(device: int = 0) -> dict | None:
 
 
 @functools.cache
-def _device0_is_sm90() -> bool:
+def _device0_capability() -> tuple[int, int]:
+    """CUDA device 0's compute capability, (0, 0) without one; asked once."""
     hw = hardware()
-    return hw is not None and tuple(hw["compute_capability"]) == (9, 0)
-
-
-@functools.cache
-def _device0_major() -> int:
-    hw = hardware()
-    return int(hw["compute_capability"][0]) if hw is not None else 0
+    return tuple(int(c) for c in hw["compute_capability"]) if hw is not None else (0, 0)
 
 
 def tma_decode_device() -> bool:
     """True when the TMA decode kernel can run here: JAX's default backend
     is a GPU and CUDA device 0 has compute capability 9.0 or newer. The
     device query is made once."""
-    return _device_kind() is not None and _device0_major() >= 9
+    return _device_kind() is not None and _device0_capability()[0] >= 9
 
 
 def _tma_rows_ok(k: int, dtype) -> bool:
@@ -125,7 +120,7 @@ def sm90_device() -> bool:
     """True when the sm90 kernel can run here: the extension has it
     (HAS_SM90_GEMM), JAX's default backend is a GPU and CUDA device 0 has
     compute capability 9.0. The device query is made once."""
-    return HAS_SM90_GEMM and _device_kind() is not None and _device0_is_sm90()
+    return HAS_SM90_GEMM and _device_kind() is not None and _device0_capability() == (9, 0)
 
 
 def sm90_shape_ok(n: int, k: int, dtype) -> bool:
