@@ -480,6 +480,10 @@ __device__ __forceinline__ void ForEachTile(const GemmArgs& a, const int32_t* __
 // (experts <= kPersistMaxE, M < 2^31): the first tile and first row of every
 // expert, from which any tile id decodes without another scan.
 constexpr int kPersistMaxE = 1024;
+// Whether a problem of `experts` experts and m rows fits that schedule.
+inline bool PersistScheduleFits(int64_t experts, int64_t m) {
+  return experts <= kPersistMaxE && m < (int64_t{1} << 31);
+}
 struct PersistSchedule {
   int tile0[kPersistMaxE + 1];  // first m-tile of expert e; [E] = all tiles
   int row0[kPersistMaxE + 1];   // first row of expert e, clamped to M
@@ -1147,7 +1151,7 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
       // the SMs better). Otherwise tile 8.
       // TMA coordinates are int32: rows up to E*N + 127, k up to K + 63.
       constexpr int64_t kCoordMax = (int64_t{1} << 31) - 256;
-      if (DeviceMajor() >= 9 && d.groups <= kPersistMaxE && d.m < (int64_t{1} << 31) &&
+      if (DeviceMajor() >= 9 && PersistScheduleFits(d.groups, d.m) &&
           d.groups * d.n < kCoordMax && d.k < kCoordMax) {
         bool ran = false;
         const cudaError_t err = LaunchTma<T, kTmaConsumers, kTmaStages, kTmaBoxes>(
@@ -1160,7 +1164,7 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
       case 8: {
         const unsigned grid = Schedule(a, d.groups, kSR, kSBN);
         const int resident = ResidentBlocks<GroupGemmSkinnyPersistentKernel<T>>(kThreads);
-        if (resident > 0 && d.groups <= kPersistMaxE && d.m < (int64_t{1} << 31) &&
+        if (resident > 0 && PersistScheduleFits(d.groups, d.m) &&
             a.total_blocks >= kPersistWaves * resident) {
           GroupGemmSkinnyPersistentKernel<T>
               <<<static_cast<unsigned>(resident), kThreads, 0, stream>>>(xp, wp, sizes, op, a);
