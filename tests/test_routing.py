@@ -28,6 +28,77 @@ def bias_for(rng, experts, scale=0.1, dtype=jnp.float32):
     return jnp.asarray(rng.standard_normal(experts) * scale, dtype)
 
 
+# Random logits meet a rounding hazard that is not a bug: when two choice
+# values (or two group scores) differ by an ulp or so, the last bit of exp,
+# which differs between the CUDA kernel, XLA and numpy, decides the pick
+# (seen on the H200: two group scores 1.3e-7 apart). Random tests therefore
+# draw rows whose decisions all have a clear margin, or exact ties (equal
+# inputs, decided by the lower id everywhere); the tie tests make ties on
+# purpose.
+MARGIN = 1e-5
+
+
+def _decisive_rows(logits, k, scoring_func="softmax", e_score_correction_bias=None,
+                   num_expert_group=None, topk_group=None, **_):
+    """(rows,) bool: each decision of the row (the topk_group-th group against
+    the next, the k-th eligible expert against the next) has a float64 margin
+    of 0 (an exact tie) or more than MARGIN relative to the larger value."""
+    x = np.asarray(logits).astype(np.float64).reshape(-1, np.shape(logits)[-1])
+    experts = x.shape[1]
+    bias, groups = e_score_correction_bias, num_expert_group or 1
+    if bias is None and groups == 1:  # the choice is on the logits themselves: exact
+        return np.ones(len(x), bool)
+    if scoring_func == "softmax":
+        z = np.exp(x - x.max(axis=1, keepdims=True))
+        scores = z / z.sum(axis=1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-x))
+    choice = scores if bias is None else scores + np.asarray(bias).astype(np.float64)
+
+    def clear(sorted_desc, i):  # margin between entries i - 1 and i of each row
+        if i >= sorted_desc.shape[1]:
+            return np.ones(len(sorted_desc), bool)
+        gap = sorted_desc[:, i - 1] - sorted_desc[:, i]
+        return (gap == 0) | (gap > MARGIN * np.abs(sorted_desc[:, i - 1]))
+
+    ok = np.ones(len(x), bool)
+    if groups > 1:
+        per = experts // groups
+        grouped = -np.sort(-choice.reshape(len(x), groups, per), axis=2)
+        group_score = grouped[:, :, :min(2, per)].sum(axis=2)
+        order = np.argsort(-group_score, axis=1, kind="stable")
+        ok &= clear(np.take_along_axis(group_score, order, axis=1), topk_group)
+        keep = np.zeros((len(x), groups), bool)
+        np.put_along_axis(keep, order[:, :topk_group], True, axis=1)
+        choice = np.where(np.repeat(keep, per, axis=1), choice, -np.inf)
+    return ok & clear(-np.sort(-choice, axis=1), k)
+
+
+def decisive_logits(rng, shape, dtype, k, scale=2.0, **route_kw):
+    """normal(rng, shape, dtype, scale) with every row redrawn until its
+    routing decisions are clear (_decisive_rows)."""
+    x = np.array(normal(rng, shape, dtype, scale)).reshape(-1, shape[-1])  # a writable copy
+    for _ in range(100):
+        bad = ~_decisive_rows(x, k, **route_kw)
+        if not bad.any():
+            return jnp.asarray(x.reshape(shape), dtype)
+        x[bad] = np.asarray(normal(rng, (int(bad.sum()), shape[-1]), dtype, scale))
+    raise AssertionError("could not draw logits with clear routing decisions")
+
+
+def test_decisive_rows_flags_near_ties_only():
+    # Row 0: groups {0, 1} score 1e-9 apart (a near tie, redrawn); row 1: an
+    # exact tie from equal logits (kept: every implementation picks the
+    # lower id); row 2: clear margins.
+    logits = np.array([[1.0, 0.5, 1.0 + 1e-9, 0.5],
+                       [1.0, 0.5, 1.0, 0.5],
+                       [2.0, 0.5, 1.0, 0.25]])
+    kw = dict(scoring_func="sigmoid", num_expert_group=2, topk_group=1)
+    assert _decisive_rows(logits, 2, **kw).tolist() == [False, True, True]
+    # Without bias or groups the choice is on the logits: nothing to round.
+    assert _decisive_rows(logits, 1, scoring_func="sigmoid").all()
+
+
 def check(logits, k, what="", **kw):
     """ops.route (eager and jitted) == reference.route: ids exactly, weights to f32 rounding."""
     weights, ids = ops.route(logits, k, **kw)
@@ -59,12 +130,12 @@ CONFIGS = {  # id: (T, E, k, num_expert_group, topk_group) for the grouped runs
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_route_matches_reference(rng, config, scoring, with_bias, grouped, renormalize, scale):
     tokens, experts, k, groups, tg = CONFIGS[config]
-    logits = normal(rng, (tokens, experts), jnp.float32, scale=2.0)
     kw = dict(scoring_func=scoring, renormalize=renormalize, routed_scaling_factor=scale)
     if with_bias:
         kw["e_score_correction_bias"] = bias_for(rng, experts)
     if grouped:
         kw.update(num_expert_group=groups, topk_group=tg)
+    logits = decisive_logits(rng, (tokens, experts), jnp.float32, k, **kw)
     weights, ids = check(logits, k, config, **kw)
     ids = np.asarray(ids)
     assert np.all((ids >= 0) & (ids < experts))
@@ -80,14 +151,13 @@ def test_route_matches_reference(rng, config, scoring, with_bias, grouped, renor
 @pytest.mark.parametrize("kind", ["deepseek", "qwen"])
 def test_route_logit_dtypes(rng, kind, dtype):
     # bf16/f16 logits convert exactly; many of them are equal (ties).
-    logits = normal(rng, (48, 64), dtype, scale=2.0)
     if kind == "deepseek":
         kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=3,
                   e_score_correction_bias=bias_for(rng, 64, dtype=dtype),
                   routed_scaling_factor=2.5)
     else:
         kw = dict(scoring_func="softmax", renormalize=False)
-    check(logits, 6, kind, **kw)
+    check(decisive_logits(rng, (48, 64), dtype, 6, **kw), 6, kind, **kw)
 
 
 # ------------------------------------------------------ small groups, edges
@@ -104,11 +174,10 @@ def test_route_logit_dtypes(rng, kind, dtype):
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_route_small_groups(rng, scoring, with_bias, groups, tg, k):
     experts = 8
-    logits = normal(rng, (40, experts), jnp.float32, scale=2.0)
     kw = dict(scoring_func=scoring, num_expert_group=groups, topk_group=tg)
     if with_bias:
         kw["e_score_correction_bias"] = bias_for(rng, experts, scale=0.3)
-    _, ids = check(logits, k, **kw)
+    _, ids = check(decisive_logits(rng, (40, experts), jnp.float32, k, **kw), k, **kw)
     per = experts // groups
     assert all(len(set(g)) <= tg for g in (np.asarray(ids) // per).tolist())
 
@@ -116,9 +185,9 @@ def test_route_small_groups(rng, scoring, with_bias, groups, tg, k):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_route_small_grouped_bias(rng, scoring):
-    logits = normal(rng, (5, 8), jnp.float32, scale=2.0)
-    check(logits, 4, scoring_func=scoring, num_expert_group=4, topk_group=2,
-          e_score_correction_bias=bias_for(rng, 8), routed_scaling_factor=1.5)
+    kw = dict(scoring_func=scoring, num_expert_group=4, topk_group=2,
+              e_score_correction_bias=bias_for(rng, 8), routed_scaling_factor=1.5)
+    check(decisive_logits(rng, (5, 8), jnp.float32, 4, **kw), 4, **kw)
 
 
 @pytest.mark.sanitize
@@ -126,7 +195,7 @@ def test_route_small_grouped_bias(rng, scoring):
 def test_route_one_and_no_tokens(rng, tokens):
     kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4,
               e_score_correction_bias=bias_for(rng, 256), routed_scaling_factor=2.5)
-    check(normal(rng, (tokens, 256), jnp.float32), 8, **kw)
+    check(decisive_logits(rng, (tokens, 256), jnp.float32, 8, scale=1.0, **kw), 8, **kw)
     check(normal(rng, (tokens, 16), jnp.bfloat16), 4)
 
 
@@ -252,8 +321,10 @@ def deepseek_v3_numpy(logits, bias, topk, n_group, topk_group, route_scale):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_route_matches_deepseek_v3_definition(rng, dtype):
     tokens, experts, k, n_group, topk_group, scale = 32, 256, 8, 8, 4, 2.5
-    logits = normal(rng, (tokens, experts), dtype, scale=2.0)
     bias = bias_for(rng, experts)
+    logits = decisive_logits(rng, (tokens, experts), dtype, k, scoring_func="sigmoid",
+                             e_score_correction_bias=bias, num_expert_group=n_group,
+                             topk_group=topk_group)
     np_w, np_ids = deepseek_v3_numpy(logits, bias, k, n_group, topk_group, scale)
     for name, fn in (("ops", ops.route), ("reference", ref_route)):
         weights, ids = fn(logits, k, scoring_func="sigmoid", num_expert_group=n_group,
@@ -269,11 +340,17 @@ def test_route_matches_deepseek_v3_definition(rng, dtype):
 @pytest.mark.parametrize("bias_axis", [None, 0, "none"], ids=["shared_bias", "batched_bias", "no_bias"])
 def test_route_vmap_matches_loop(rng, bias_axis):
     batch, tokens, experts, k = 3, 7, 16, 4
-    logits = normal(rng, (batch, tokens, experts), jnp.float32, scale=2.0)
     bias = bias_for(rng, experts, scale=0.3)
     if bias_axis == 0:
         bias = jnp.stack([bias_for(rng, experts, scale=0.3) for _ in range(batch)])
     kw = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.0)
+
+    def bias_of(b):  # the bias batch element b routes with
+        return None if bias_axis == "none" else bias if bias_axis is None else bias[b]
+
+    logits = jnp.stack([decisive_logits(rng, (tokens, experts), jnp.float32, k, **kw,
+                                        e_score_correction_bias=bias_of(b))
+                        for b in range(batch)])
     if bias_axis == "none":
         fn = lambda x: ops.route(x, k, **kw)  # noqa: E731
         got = jax.vmap(fn)(logits)
@@ -285,9 +362,7 @@ def test_route_vmap_matches_loop(rng, bias_axis):
     for b in range(batch):
         assert_equal(got[1][b], want[b][1], f"ids, batch element {b}")
         assert_close(got[0][b], want[b][0], jnp.float32, f"weights, batch element {b}")
-        ref_w, ref_ids = reference.route(
-            logits[b], k, e_score_correction_bias=None if bias_axis == "none" else
-            (bias if bias_axis is None else bias[b]), **kw)
+        ref_w, ref_ids = reference.route(logits[b], k, e_score_correction_bias=bias_of(b), **kw)
         assert_equal(got[1][b], ref_ids, f"ids vs reference, batch element {b}")
 
 
@@ -349,10 +424,10 @@ def test_route_rejects(module, case):
 @pytest.mark.parametrize("kind", ["deepseek", "qwen_bf16"])
 def test_route_cuda_matches_cpu(rng, kind):
     if kind == "deepseek":
-        logits = normal(rng, (300, 256), jnp.float32, scale=2.0)
         bias = bias_for(rng, 256)
         kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5)
         k = 8
+        logits = decisive_logits(rng, (300, 256), jnp.float32, k, e_score_correction_bias=bias, **kw)
     else:
         logits = normal(rng, (300, 128), jnp.bfloat16, scale=2.0)
         bias, kw, k = None, dict(renormalize=True), 8
