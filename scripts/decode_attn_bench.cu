@@ -5,7 +5,9 @@
 // Not part of the build; needs a GPU. From the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
 //     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
-//     scripts/decode_attn_bench.cu -o /tmp/decode_attn_bench && /tmp/decode_attn_bench
+//     scripts/decode_attn_bench.cu -o /tmp/decode_attn_bench && /tmp/decode_attn_bench [V] [S]
+// V: comma-separated variant indices (main's list), S: comma-separated splits
+// (each of its cases with that split); default: all of both.
 // TB/s counts the K and V bytes the lengths cover, once; times are the median
 // of 7 repeats of 20 launches (split kernel and combine for the shipped one).
 #ifndef ATTN_CU  // -DATTN_CU='"path"': another version of the kernels (same launch signatures)
@@ -186,7 +188,20 @@ struct Variant {
 
 using namespace jax_moe;
 
-int main() {
+// Whether `list` (comma-separated integers; null: everything) holds x.
+bool Listed(const char* list, long x) {
+  if (list == nullptr) return true;
+  for (const char* c = list; *c;) {
+    char* end;
+    if (std::strtol(c, &end, 10) == x && end != c) return true;
+    c = *end ? end + 1 : end;
+  }
+  return false;
+}
+
+int main(int argc, char** argv) {
+  const char* only_variants = argc > 1 ? argv[1] : nullptr;
+  const char* only_splits = argc > 2 ? argv[2] : nullptr;
   const Variant variants[] = {
       {"stream (contiguous)", RunStream},
       {"shipped kernel + combine", RunShipped},
@@ -204,6 +219,7 @@ int main() {
   unsigned* sink;
   CK(cudaMalloc(&sink, 4));
   for (const Case& cs : cases) {
+    if (!Listed(only_splits, cs.split)) continue;
     Problem p{};
     p.batch = cs.batch;
     p.len = cs.len;
@@ -241,6 +257,7 @@ int main() {
     printf("B=%lld L=%lld split=%d page 16: %.1f MB of K+V\n", (long long)p.batch,
            (long long)p.len, p.split, bytes / 1e6);
     for (const Variant& var : variants) {
+      if (!Listed(only_variants, &var - variants)) continue;
       for (int i = 0; i < 3; ++i) var.fn(p);  // warm-up
       CK(cudaDeviceSynchronize());
       const double us = MedianLaunchMicros([&](int) { var.fn(p); }, kCalls, kReps);
