@@ -545,15 +545,17 @@ def test_group_gemm_is_bitwise_reproducible(rng, tile_m, shape):
 
 half_dtypes = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 
-# Where the sm90 kernel switches paths: M off its 128-row tiles; N and K odd
-# multiples of 8 (TMA's 16-byte rows) around its 64-deep k tile and its
-# 128/256-column tiles; E > M; experts averaging >= 256 rows with N >= 256
-# (the 128x256 tile on a 2-CTA cluster, else 128x128 on one CTA).
+# Where the sm90 kernel switches paths: M off its 64/128-row tiles; N and K
+# odd multiples of 8 (TMA's 16-byte rows) around its 64-deep k tile and its
+# 128/256-column tiles; E > M; experts averaging < 64 rows (64x128 pingpong
+# tiles), >= 256 rows with N >= 256 (the 128x256 tile on a 2-CTA cluster),
+# else 128x128 on one CTA.
 SM90_SHAPES = [  # (M, K, N, E)
-    (1, 64, 72, 4),        # one row
+    (1, 64, 72, 4),        # one row (64x128 tiles)
     (77, 8, 8, 16),        # K = N = 8: a sliver of one k tile and one column tile; E > M
-    (300, 200, 136, 3),    # K = 25*8, N = 17*8
-    (1000, 136, 264, 16),  # ~62 rows per expert: several 128x128 tiles, N past 256
+    (300, 200, 136, 3),    # K = 25*8, N = 17*8; 100 rows per expert: 128x128
+    (1000, 136, 264, 16),  # ~62 rows per expert: several 64x128 tiles, N past 256
+    (1024, 136, 264, 16),  # 64 rows per expert: 128x128 from here
     (1020, 200, 264, 4),   # 255 rows per expert: still 128x128
     (1024, 200, 264, 4),   # 256 rows per expert, N >= 256: the 128x256 cluster kernel
     (2100, 200, 264, 4),   # ~525 rows per expert: the cluster kernel
@@ -569,8 +571,9 @@ def test_group_gemm_sm90(rng, shape, pattern, dtype):
 
 @pytest.mark.sanitize
 def test_group_gemm_sm90_small_sanitize(rng):
-    # Small cases for compute-sanitizer: one row, E > M, a partial tail, one
-    # expert with every row, and the cluster kernel (~550 rows per expert).
+    # Small cases for compute-sanitizer: one row and E > M with a partial
+    # tail (64x128 tiles), one expert with every row (128x128 tiles), and the
+    # cluster kernel (~550 rows per expert).
     for (m, k, n, experts), pattern in [((1, 64, 72, 4), "partial"), ((77, 8, 8, 16), "partial"),
                                         ((300, 200, 136, 3), "all_in_one"),
                                         ((1100, 64, 256, 2), "partial"),

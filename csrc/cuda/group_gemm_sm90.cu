@@ -25,8 +25,10 @@
 //    sources) and the GEMM reads that buffer.
 //  * Tail rows [rows_total, M) are zeroed by the same prep kernel; empty
 //    experts get an M = 0 problem, which the group tile scheduler skips.
-//  * Tiles: 128x128x64 on one CTA for moderate rows per expert, 128x256x64 on
-//    a 2x1 cluster (the weight tile multicast to both CTAs) once experts
+//  * Tiles: 64x128x64 (pingpong: each consumer warpgroup owns a tile) while
+//    experts average < kSkinnyRows rows, where a 128-row tile would be mostly
+//    padding; 128x128x64 on one CTA for moderate rows per expert; 128x256x64
+//    on a 2x1 cluster (the weight tile multicast to both CTAs) once experts
 //    average >= kWideRows rows and N >= 256 (its cluster pairs M tiles, which
 //    wastes up to a tile per expert when experts are short). H200 at 512
 //    rows per expert: 506 and 591 TFLOP/s (DESIGN notes); at 256 rows (run O,
@@ -35,7 +37,7 @@
 //    The persistent group scheduler has no split-K or stream-K: each output
 //    is summed by one CTA in a fixed K order, so results are bitwise
 //    reproducible run to run (but not equal to the mma.sync tiles' bits).
-//  * bf16 and f16 only, 2 tile configs: 4 CUTLASS instantiations, the bulk of
+//  * bf16 and f16 only, 3 tile configs: 6 CUTLASS instantiations, the bulk of
 //    this file's compile time.
 #include <cuda_runtime.h>
 
@@ -76,6 +78,11 @@ constexpr size_t kScratchAlign = 256;  // every scratch section, and the base
 constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 256;
 constexpr int64_t kWideRows = 256;  // rows per expert (average) from which the wide tiles run
+// Rows per expert (average) below which the 64-row tiles run.
+#ifndef JAX_MOE_SKINNY_ROWS  // a compile-time knob for A/B runs only
+#define JAX_MOE_SKINNY_ROWS 64
+#endif
+constexpr int64_t kSkinnyRows = JAX_MOE_SKINNY_ROWS;
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using ShapeMNK = ProblemShape::UnderlyingProblemShape;
@@ -83,7 +90,19 @@ using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 // A (M, K) row-major, B = w[e] (N, K) row-major, which is CUTLASS's
 // column-major B: both K-major ("TN"). D (M, N) row-major. 8 elements = the
 // 16 bytes TMA needs.
-template <typename Element, typename TileShape, typename ClusterShape>
+// Cooperative: two consumer warpgroups split each tile's M (tile M >= 128).
+// Pingpong: each consumer warpgroup owns a whole tile (M = 64) and the two
+// alternate mainloop and epilogue.
+struct Cooperative {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <typename Element, typename TileShape, typename ClusterShape, typename Schedule>
 struct Sm90Gemm {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
@@ -93,14 +112,14 @@ struct Sm90Gemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlignment,  // no C: D = alpha * acc
-      Element, LayoutD*, kAlignment, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      Element, LayoutD*, kAlignment, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
       Element, LayoutB*, kAlignment, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::Mainloop>::CollectiveOp;
   // No tile scheduler named: the ptr-array kernel's default, the persistent
   // group scheduler (no split-K / stream-K).
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
@@ -110,15 +129,18 @@ struct Sm90Gemm {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
+using Skinny = Shape<_64, _128, _64>;
 using Narrow = Shape<_128, _128, _64>;
 using Wide = Shape<_128, _256, _64>;
 using Cluster1 = Shape<_1, _1, _1>;
 using Cluster2 = Shape<_2, _1, _1>;
 
 template <typename Element>
-using NarrowGemm = Sm90Gemm<Element, Narrow, Cluster1>;
+using SkinnyGemm = Sm90Gemm<Element, Skinny, Cluster1, Pingpong>;
 template <typename Element>
-using WideGemm = Sm90Gemm<Element, Wide, Cluster2>;
+using NarrowGemm = Sm90Gemm<Element, Narrow, Cluster1, Cooperative>;
+template <typename Element>
+using WideGemm = Sm90Gemm<Element, Wide, Cluster2, Cooperative>;
 
 // One set of stride types for all four kernels (they depend on the layouts only).
 using StrideA = NarrowGemm<cutlass::bfloat16_t>::StrideA;
@@ -126,7 +148,10 @@ using StrideB = NarrowGemm<cutlass::bfloat16_t>::StrideB;
 using StrideD = NarrowGemm<cutlass::bfloat16_t>::StrideD;
 static_assert(std::is_same_v<StrideA, WideGemm<cutlass::half_t>::StrideA> &&
               std::is_same_v<StrideB, WideGemm<cutlass::half_t>::StrideB> &&
-              std::is_same_v<StrideD, WideGemm<cutlass::half_t>::StrideD>);
+              std::is_same_v<StrideD, WideGemm<cutlass::half_t>::StrideD> &&
+              std::is_same_v<StrideA, SkinnyGemm<cutlass::half_t>::StrideA> &&
+              std::is_same_v<StrideB, SkinnyGemm<cutlass::half_t>::StrideB> &&
+              std::is_same_v<StrideD, SkinnyGemm<cutlass::half_t>::StrideD>);
 
 constexpr size_t RoundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -154,7 +179,9 @@ ScratchLayout MakeLayout(int64_t m, int64_t k, int64_t groups, bool gather) {
   for (size_t w : {WorkspaceBytes<NarrowGemm<cutlass::bfloat16_t>>(groups),
                    WorkspaceBytes<NarrowGemm<cutlass::half_t>>(groups),
                    WorkspaceBytes<WideGemm<cutlass::bfloat16_t>>(groups),
-                   WorkspaceBytes<WideGemm<cutlass::half_t>>(groups)})
+                   WorkspaceBytes<WideGemm<cutlass::half_t>>(groups),
+                   WorkspaceBytes<SkinnyGemm<cutlass::bfloat16_t>>(groups),
+                   WorkspaceBytes<SkinnyGemm<cutlass::half_t>>(groups)})
     ws = w > ws ? w : ws;
   ScratchLayout l{};
   size_t off = 0;
@@ -367,12 +394,15 @@ cudaError_t GroupGemmSm90(const Sm90GemmCall& c, bool* ran) {
   int dev = 0, sms = 0;
   if (!UsableDevice(&dev, &sms)) return cudaSuccess;
   const bool wide = c.m >= kWideRows * c.groups && c.n >= 256;
+  const bool skinny = c.m < kSkinnyRows * c.groups;
   if (c.bf16) {
-    return wide ? RunSm90<WideGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
-                : RunSm90<NarrowGemm<cutlass::bfloat16_t>>(c, dev, sms, ran);
+    return wide     ? RunSm90<WideGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
+           : skinny ? RunSm90<SkinnyGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
+                    : RunSm90<NarrowGemm<cutlass::bfloat16_t>>(c, dev, sms, ran);
   }
-  return wide ? RunSm90<WideGemm<cutlass::half_t>>(c, dev, sms, ran)
-              : RunSm90<NarrowGemm<cutlass::half_t>>(c, dev, sms, ran);
+  return wide     ? RunSm90<WideGemm<cutlass::half_t>>(c, dev, sms, ran)
+         : skinny ? RunSm90<SkinnyGemm<cutlass::half_t>>(c, dev, sms, ran)
+                  : RunSm90<NarrowGemm<cutlass::half_t>>(c, dev, sms, ran);
 }
 
 }  // namespace jax_moe
