@@ -8,7 +8,9 @@
 # Knobs: TESTS (pytest targets of `test`, default the whole suite),
 # SANITIZE_FILES (test files of `sanitize`, default every file with `sanitize`
 # marks), SANITIZE_TOOLS (default "memcheck"; e.g. "memcheck racecheck"),
-# SANITIZE_K (a pytest -k expression narrowing the sanitize tests).
+# SANITIZE_K (a pytest -k expression narrowing the sanitize tests),
+# TEST_SECONDS (stops the GPU pytest run after that long, default never: a
+# device call cut off by its own limit brings back no summary).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -38,7 +40,8 @@ fi
 
 pids=()
 if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend for GPU-vs-CPU tests)
-  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-.} \
+  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda timeout "${TEST_SECONDS:-0}" \
+     python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-.} \
      > "$OUT/pytest_gpu.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_gpu.log") &
   pids+=($!)
 fi
