@@ -45,8 +45,10 @@ DECODE_MAX_SPLIT_TOKENS: int = int(_ffi._ext.DECODE_MAX_SPLIT_TOKENS)
 # that still gives the GPU this many blocks (about 5 waves of its 3 blocks
 # per SM on an H200: longer splits amortise each block's start and merge and
 # write fewer partial results; fewer, longer blocks leave a ragged last wave.
-# scripts/decode_attn_bench.cu, 2026-11-30: 1024-token splits (2048 blocks)
-# read at 4.01 / 4.05 TB/s where 2048-token splits read at 3.93 / 4.00).
+# scripts/decode_attn_bench.cu on H200s, 2026-11-30, B=64 L=4096 / B=8
+# L=32768: 1024-token splits (2048 blocks) read at 4.05 / 4.04 TB/s where
+# 2048-token splits read at 3.98 / 4.00; on another instance 3.97-3.99
+# against 3.91-3.93).
 _DECODE_MIN_BLOCKS = 2048
 
 
