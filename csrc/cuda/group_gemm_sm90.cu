@@ -142,7 +142,7 @@ using NarrowGemm = Sm90Gemm<Element, Narrow, Cluster1, Cooperative>;
 template <typename Element>
 using WideGemm = Sm90Gemm<Element, Wide, Cluster2, Cooperative>;
 
-// One set of stride types for all four kernels (they depend on the layouts only).
+// One set of stride types for all six kernels (they depend on the layouts only).
 using StrideA = NarrowGemm<cutlass::bfloat16_t>::StrideA;
 using StrideB = NarrowGemm<cutlass::bfloat16_t>::StrideB;
 using StrideD = NarrowGemm<cutlass::bfloat16_t>::StrideD;
