@@ -257,7 +257,8 @@ def plot(rows, path):
         ax.set_xticklabels(cases)
         ax.set_ylabel(label)
         ax.set_title(kind)
-        ax.legend(fontsize=7)
+        if impls:  # --only leaves the other panel empty
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
