@@ -775,9 +775,7 @@ ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
       part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
   const int64_t out_rows = d.batch * d.hq;
-  const auto combine_blocks =
-      static_cast<unsigned>((out_rows + kCombineWarps - 1) / kCombineWarps);
-  DecodeCombineKernel<DT, D><<<combine_blocks, kCombineThreads, 0, stream>>>(
+  DecodeCombineKernel<DT, D><<<CeilDiv(out_rows, kCombineWarps), kCombineThreads, 0, stream>>>(
       part_out, part_stats, lengths, d.hq, out_rows, d.max_tokens, d.num_splits, d.split_tokens,
       static_cast<T*>(out));
   return LastCudaError("paged_decode combine launch");
