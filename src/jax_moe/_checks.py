@@ -136,9 +136,10 @@ def group_gemm_args(x, w, expert_sizes) -> None:
             f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
 
 
-# group_gemm's rows per tile. 8: the decode kernel; 32, 64, 128: the mma.sync
-# tile kernel; 256: the CUTLASS sm90 kernel (wgmma + TMA, 128- or 256-column
-# tiles of 128 rows) where it can run, else the same as 128.
+# group_gemm's rows per tile. 8: the decode kernel; 16: the TMA decode kernel
+# where it can run, else the same as 8; 32, 64, 128: the mma.sync tile kernel;
+# 256: the CUTLASS sm90 kernel (wgmma + TMA; 64x128, 128x128 or 128x256
+# tiles by rows per expert) where it can run, else the same as 128.
 TILE_M = (8, 16, 32, 64, 128, 256)
 
 
