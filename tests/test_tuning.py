@@ -64,28 +64,6 @@ def test_explicit_tile_m_wins_and_is_checked():
         tuning.group_gemm_tile_m(8, 8, 8, 8, jnp.bfloat16, 48)
 
 
-def test_table_lookup_nearest_bucket(tmp_path, monkeypatch):
-    kind = "Fake GPU 9000"
-    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
-    table = {"device": kind, "group_gemm": {key: [[16, 64], [1024, 8], [65536, 32]]}}
-    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
-    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(table))
-    assert tuning.table_path(kind) == tmp_path / "Fake_GPU_9000.json"
-    tuning.load_table.cache_clear()
-    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
-    monkeypatch.setattr(tuning, "tma_decode_usable", lambda k, dtype: False)
-    try:
-        pick = lambda m: tuning.group_gemm_tile_m(m, 16, 96, 64, jnp.bfloat16)  # noqa: E731
-        assert pick(10) == 64 and pick(16) == 64
-        assert pick(900) == 8 and pick(2000) == 8
-        assert pick(40_000) == 32 and pick(10**7) == 32
-        # another problem or dtype: the rule
-        assert (tuning.group_gemm_tile_m(10, 16, 96, 64, jnp.float16) ==
-                tuning.default_tile_m(10, 16, tma=False))
-    finally:
-        tuning.load_table.cache_clear()
-
-
 @pytest.fixture
 def fake_table(tmp_path, monkeypatch):
     """install(entries, sm90, tma): a table for "Fake GPU 9000" with `entries`
@@ -105,6 +83,17 @@ def fake_table(tmp_path, monkeypatch):
 
     yield install
     tuning.load_table.cache_clear()
+
+
+def test_table_lookup_nearest_bucket(fake_table, tmp_path):
+    pick = fake_table([[16, 64], [1024, 8], [65536, 32]], sm90=False, tma=False)
+    assert tuning.table_path("Fake GPU 9000") == tmp_path / "Fake_GPU_9000.json"
+    assert pick(10) == 64 and pick(16) == 64
+    assert pick(900) == 8 and pick(2000) == 8
+    assert pick(40_000) == 32 and pick(10**7) == 32
+    # another problem or dtype: the rule
+    assert (tuning.group_gemm_tile_m(10, 16, 96, 64, jnp.float16) ==
+            tuning.default_tile_m(10, 16, tma=False))
 
 
 @pytest.mark.parametrize("usable", [False, True])
