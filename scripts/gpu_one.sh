@@ -22,6 +22,13 @@ grep -E "passed|failed|FAILED|Error|exit" $L/pytest_gpu.log 2>/dev/null | tail -
 cat $L/memcheck.log 2>/dev/null
 grep -lE "Invalid|out of bounds|Segmentation|Fatal|Race reported|hazard" $L/memcheck_*.log $L/racecheck_*.log 2>/dev/null \
   | while read f; do echo "--- $f"; grep -E -B2 -A12 "Invalid|Segmentation|Fatal|Race|hazard" "$f" | head -60; done
+if [ -n "${PROFILE_LAYER:-}" ]; then  # e.g. PROFILE_LAYER="qwen3_30b_a3b:1 mixtral_8x7b:16"
+  for c in $PROFILE_LAYER; do
+    PYTHONPATH=/tmp/jax_moe_site timeout 120 python3 scripts/profile_layer.py ${c%:*} ${c#*:} 20 \
+      > $L/profile_${c%:*}_${c#*:}.txt 2>&1
+    echo "=== profile $c (exit $?)"; grep -vE "^[WE][0-9]{4} " $L/profile_${c%:*}_${c#*:}.txt | tail -40
+  done
+fi
 for step in ${STEPS_AFTER:-attn}; do
   OUT=$L bash scripts/gpu_check.sh $step > $L/step_$step.txt 2>&1
   echo "=== $step done at $((SECONDS - t0)) s"
