@@ -51,6 +51,8 @@ TOPK_SHAPES = [  # (T, E, k)
     (64, 160, 8),
     (32, 256, 8),
     (8, 1000, 10),
+    (3, 100, 100),  # topk = E > 32: each lane of the CUDA warp holds several picks
+    (4, 3072, 40),  # the most experts the CUDA router takes, k > 32
 ]
 
 
@@ -752,11 +754,16 @@ def test_activation_aliases(rng):
 
 # ---------------------------------------------------------------- step 7: combine
 
-COMBINE_SHAPES = [(1, 1, 1), (1, 4, 72), (33, 2, 130), (64, 8, 72), (17_000, 4, 8)]  # (T, k, H)
+COMBINE_SHAPES = [  # (T, k, H)
+    (1, 1, 1), (1, 4, 72), (33, 2, 130), (64, 8, 72), (17_000, 4, 8),
+    (1, 8, 2048),   # decode: the CUDA kernel splits a row over several blocks
+    (2, 10, 4104),  # k > 8 (two batches of slot loads), a split row with a ragged end
+    (3, 3, 1001),   # odd H (scalar path), split
+]
 
 
 def _combine_inputs(rng, tokens, k, hidden, dtype, remote):
-    experts = 8
+    experts = 8 if k <= 8 else 16
     ids = random_ids(rng, tokens, k, experts)
     start, count = (2, 4) if remote else (0, experts)  # remote: some entries are -1
     s2d, _, _ = oracle.token_index(ids, experts, start, count)
@@ -774,6 +781,16 @@ def test_combine(rng, shape, dtype, remote):
     assert got.shape == (shape[0], shape[2]) and got.dtype == dtype
     assert_close(got, ref.moe_combine(y, weights, jnp.asarray(s2d)), dtype, "vs reference")
     assert_close(got, oracle.combine(y, weights, s2d), dtype, "vs numpy oracle")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("shape", [(1, 8, 2048), (2, 10, 4104), (3, 3, 1001)], ids=str)
+def test_combine_split_rows_sanitize(rng, shape):
+    # The few-token launch (rows split over blocks, k > 8, odd H) for
+    # compute-sanitizer, with remote (-1) slots.
+    y, weights, s2d = _combine_inputs(rng, *shape, jnp.bfloat16, True)
+    got = ops.moe_combine(y, weights, jnp.asarray(s2d))
+    assert_close(got, oracle.combine(y, weights, s2d), jnp.bfloat16, "vs numpy oracle")
 
 
 @dtypes

@@ -191,6 +191,18 @@ def test_route_small_grouped_bias(rng, scoring):
 
 
 @pytest.mark.sanitize
+def test_route_largest_shared_layout(rng):
+    # 3072 experts in 3072 groups with k = 3072: the CUDA router's per-warp
+    # keys, group keys and picks at their largest (one warp per block).
+    # Logits a permutation of evenly spaced values: every pick is clear.
+    kw = dict(scoring_func="sigmoid", num_expert_group=3072, topk_group=3072)
+    grid = np.linspace(-3.0, 3.0, 3072, dtype=np.float32)
+    logits = jnp.asarray(np.stack([rng.permutation(grid) for _ in range(2)]))
+    _, ids = check(logits, 3072, **kw)
+    assert all(sorted(r) == list(range(3072)) for r in np.asarray(ids).tolist())
+
+
+@pytest.mark.sanitize
 @pytest.mark.parametrize("tokens", [0, 1])
 def test_route_one_and_no_tokens(rng, tokens):
     kw = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4,

@@ -1,6 +1,8 @@
 // Steps 3 and 7 on the GPU: expand (gather token rows into expert order) and
 // the weighted combine back to token order. Both move whole rows, with 16-byte
 // accesses whenever the row length allows.
+#include <algorithm>
+
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
 #include "shape_checks.h"
@@ -54,9 +56,11 @@ ffi::Error ExpandCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
                                 limit, topk, out->untyped_data());
 }
 
-// One block per token (grid-stride); each thread owns VEC consecutive columns
-// and sums the k expert rows in slot order: a fixed order, so bitwise
-// reproducible.
+// Blocks (x: tokens, y: slices of the row; grid-stride both ways); each
+// thread owns VEC consecutive columns and sums the k expert rows in slot
+// order: a fixed order, so bitwise reproducible. The slots' indices and
+// weights, then their rows, are loaded kBatch at a time before any is used:
+// at decode a token is a handful of dependent loads, and they overlap.
 template <ffi::DataType DT, int VEC>
 __global__ void CombineKernelT(const typename DevScalar<DT>::T* __restrict__ y,
                                const float* __restrict__ w, const int32_t* __restrict__ s2d,
@@ -65,24 +69,41 @@ __global__ void CombineKernelT(const typename DevScalar<DT>::T* __restrict__ y,
   using S = DevScalar<DT>;
   using T = typename S::T;
   static_assert(sizeof(T) * VEC == 16 || VEC == 1, "16-byte vectors or scalars");
+  constexpr int kBatch = 8;
+  const int64_t h_step = static_cast<int64_t>(gridDim.y) * blockDim.x * VEC;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    for (int64_t h = static_cast<int64_t>(threadIdx.x) * VEC; h < hidden;
-         h += static_cast<int64_t>(blockDim.x) * VEC) {
+    for (int64_t h = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * VEC;
+         h < hidden; h += h_step) {
       float acc[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int64_t r = s2d[t * k + j];
-        if (r < 0 || r >= m) continue;  // not routed here: counts as zero
-        const float wt = w[t * k + j];
-        T vals[VEC];
-        if constexpr (VEC == 1) {
-          vals[0] = y[r * hidden + h];
-        } else {
-          *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(y + r * hidden + h);
+      for (int j0 = 0; j0 < k; j0 += kBatch) {
+        int64_t r[kBatch];
+        float wt[kBatch];
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          const int j = j0 + q;
+          r[q] = j < k ? s2d[t * k + j] : -1;
+          wt[q] = j < k ? w[t * k + j] : 0.f;
+          if (r[q] >= m) r[q] = -1;  // not routed here: counts as zero
+        }
+        T vals[kBatch][VEC];
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          if (r[q] < 0) continue;
+          if constexpr (VEC == 1) {
+            vals[q][0] = y[r[q] * hidden + h];
+          } else {
+            *reinterpret_cast<uint4*>(vals[q]) =
+                *reinterpret_cast<const uint4*>(y + r[q] * hidden + h);
+          }
         }
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] += wt * S::Load(vals[v]);
+        for (int q = 0; q < kBatch; ++q) {
+          if (r[q] < 0) continue;
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[v] += wt[q] * S::Load(vals[q][v]);
+        }
       }
       T res[VEC];
 #pragma unroll
@@ -107,14 +128,20 @@ ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
     constexpr int kVec = 16 / sizeof(T);
     const auto* yp = static_cast<const T*>(y.untyped_data());
     auto* op = static_cast<T*>(out->untyped_data());
-    const unsigned grid = GridFor(tokens, 1, 1u << 20);
-    if (hidden % kVec == 0) {
-      const int threads = hidden / kVec >= 256 ? 256 : 64;
+    const int vec = hidden % kVec == 0 ? kVec : 1;
+    const int64_t units = hidden / vec;
+    const int threads = vec == 1 ? 128 : (units >= 256 ? 256 : 64);
+    // Few tokens (decode): a row is split over up to kSlices blocks so that
+    // the launch is not a handful of blocks each walking a long row.
+    constexpr int64_t kFewTokens = 512, kSlices = 8;
+    const int64_t slices = tokens >= kFewTokens ? 1 : std::min<int64_t>(kSlices, CeilDiv(units, threads));
+    const dim3 grid(GridFor(tokens, 1, 1u << 20), static_cast<unsigned>(slices));
+    if (vec == kVec) {
       CombineKernelT<DT, kVec><<<grid, threads, 0, stream>>>(
           yp, weights.typed_data(), src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
           hidden, op);
     } else {
-      CombineKernelT<DT, 1><<<grid, 128, 0, stream>>>(
+      CombineKernelT<DT, 1><<<grid, threads, 0, stream>>>(
           yp, weights.typed_data(), src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
           hidden, op);
     }

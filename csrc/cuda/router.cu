@@ -66,7 +66,7 @@ template <typename T, typename Load>
 __global__ void RouteKernel(const T* __restrict__ logits, const float* __restrict__ bias,
                             int64_t rows, RouteParams p, float* __restrict__ weights,
                             int32_t* __restrict__ ids, Load load) {
-  // Per warp: `experts` choice keys, then (grouped) `groups` group keys.
+  // Per warp: `experts` choice keys, (grouped) `groups` group keys, k picks.
   extern __shared__ int32_t smem[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int experts = p.experts, k = p.k, groups = p.groups;
@@ -127,32 +127,55 @@ __global__ void RouteKernel(const T* __restrict__ logits, const float* __restric
       __syncwarp();
     }
 
-    float picked = 0.f;
-    for (int j = 0; j < k; ++j) {
-      int e = WarpArgMax(key, experts, lane);
-      if (e >= experts) e = 0;  // unreachable (k <= experts); keeps every access in bounds
-      // The weight is the expert's score (never its bias): recomputed from
-      // its logit, by the same expression as above.
-      float x = load(src[e]);
-      x = isnan(x) ? -INFINITY : x;
-      const float w = Score(x, p, mx, sum);
-      picked += w;
-      if (lane == 0) {
-        ids[t * k + j] = e;
-        weights[t * k + j] = w;
-        key[e] = kTaken;
+    // k picks. Each lane keeps its best untaken entry among e = lane (mod 32);
+    // a pick is the warp's best of those (ties: the lower expert), and only
+    // the lane that owned it rescans. No global memory in this loop: it is
+    // the router's serial part (one token is one warp's work at decode).
+    int32_t* pick = group_key + (groups > 1 ? groups : 0);
+    int32_t best;
+    int best_i;
+    auto lane_best = [&] {
+      best = kTaken;
+      best_i = experts;
+      for (int e = lane; e < experts; e += 32) {
+        const int32_t v = key[e];
+        if (v > best) { best = v; best_i = e; }
       }
-      __syncwarp();
-    }
-    if (p.renormalize || p.scale != 1.f) {
-      // Lane 0's stores are visible to the warp after the __syncwarp above.
-      for (int j = lane; j < k; j += 32) {
-        float w = weights[t * k + j];
-        if (p.renormalize) w /= picked;
-        weights[t * k + j] = w * p.scale;
+    };
+    lane_best();
+    for (int j = 0; j < k; ++j) {
+      int32_t v = best;
+      int i = best_i;
+      for (int o = 16; o > 0; o /= 2) {
+        const int32_t ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+      }
+      if (lane == 0) pick[j] = i < experts ? i : 0;  // i < experts: k <= experts
+      if (i < experts && i % 32 == lane) {
+        key[i] = kTaken;
+        lane_best();
       }
     }
     __syncwarp();
+
+    // The weight is the expert's score (never its bias): recomputed from its
+    // logit by the same expression as above, picks j = lane (mod 32) per lane.
+    float picked = 0.f;
+    for (int j = lane; j < k; j += 32) {
+      float x = load(src[pick[j]]);
+      picked += Score(isnan(x) ? -INFINITY : x, p, mx, sum);
+    }
+    for (int o = 16; o > 0; o /= 2) picked += __shfl_xor_sync(0xffffffffu, picked, o);
+    for (int j = lane; j < k; j += 32) {
+      const int e = pick[j];
+      float x = load(src[e]);
+      float w = Score(isnan(x) ? -INFINITY : x, p, mx, sum);
+      if (p.renormalize) w /= picked;
+      ids[t * k + j] = e;
+      weights[t * k + j] = w * p.scale;
+    }
+    __syncwarp();  // key and pick are rewritten for the next row
   }
 }
 
@@ -171,9 +194,9 @@ ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buff
     return err;
   const int64_t experts = d.experts, rows = d.rows, tokens = d.tokens, k = d.k;
   if (experts > kMaxExperts) return InvalidArg("route: at most 3072 experts on CUDA");
-  // experts + groups <= 6144 keys: 24 KiB a warp, so 2 to 4 warps a block.
-  const int64_t warp_bytes =
-      static_cast<int64_t>(sizeof(int32_t)) * (experts + (num_expert_group > 1 ? num_expert_group : 0));
+  // experts + groups + k <= 9216 ints: 36 KiB a warp, so 1 to 4 warps a block.
+  const int64_t warp_bytes = static_cast<int64_t>(sizeof(int32_t)) *
+                             (experts + (num_expert_group > 1 ? num_expert_group : 0) + k);
   const int warps = static_cast<int>(std::min<int64_t>(kMaxWarpsPerBlock, kSmemBudget / warp_bytes));
   if (rows == 0) return ffi::Error::Success();
   const size_t smem = static_cast<size_t>(warps * warp_bytes);
