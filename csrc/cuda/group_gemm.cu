@@ -1093,8 +1093,16 @@ inline TensorMapEncodeFn TensorMapEncode() {
   return fn;
 }
 
+// From this K on, the TMA kernel takes launches of at least half a resident
+// grid of tiles: Mixtral's down projection (K = 14336) at 16 tokens, 320
+// tiles (upper bound) on 396 resident blocks, ran 238.7 us against 260.5 for
+// tile 8 on the H200 (run 9.2); at K <= 7168 and T = 1 tile 8 was as fast or
+// faster (DeepSeek-V3 gate/up 122.8 vs 123.2 us, down 65.3 vs 72.7).
+constexpr int64_t kTmaLongK = 8192;
+
 // The TMA kernel as one resident grid, when the launch has at least
-// `min_waves` resident grids' worth of tiles (upper bound). *ran is false
+// `min_waves` resident grids' worth of tiles (upper bound; half a grid from
+// K = kTmaLongK). *ran is false
 // (nothing launched) when it has fewer, or when the driver cannot encode the
 // weight map or the occupancy query fails. Needs a device of compute
 // capability 9.0+, w 16-byte aligned, K % 8 == 0 (the caller's vec_in), E*N
@@ -1110,7 +1118,11 @@ cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
   if (attr != cudaSuccess) return attr;
   const int resident = ResidentBlocks<kernel>(C::kThreads, C::kSmem);
   Schedule(a, groups, C::kRows, C::kCols);
-  if (resident <= 0 || a.total_blocks < min_waves * resident) return cudaSuccess;
+  // Long tiles amortise the kernel's start with fewer of them: half a
+  // resident grid suffices from K = kTmaLongK.
+  const bool enough = a.total_blocks >= min_waves * resident ||
+                      (a.k >= kTmaLongK && 2 * a.total_blocks >= resident);
+  if (resident <= 0 || !enough) return cudaSuccess;
   const TensorMapEncodeFn encode = TensorMapEncode();
   if (encode == nullptr) return cudaSuccess;
   // w as a 2-D tensor of E*N rows of K elements; boxes of kCols rows x 64 k,

@@ -71,7 +71,8 @@ __global__ void RouteKernel(const T* __restrict__ logits, const float* __restric
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int experts = p.experts, k = p.k, groups = p.groups;
   const int per = experts / groups;
-  int32_t* key = smem + static_cast<int64_t>(warp) * (experts + (groups > 1 ? groups : 0));
+  // The same layout and size as TopkSoftmaxCuda's warp_bytes.
+  int32_t* key = smem + static_cast<int64_t>(warp) * (experts + (groups > 1 ? groups : 0) + k);
   int32_t* group_key = key + experts;
   const bool on_logits = !p.has_bias && groups == 1;  // choose on the logits themselves
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < rows;
@@ -144,13 +145,10 @@ __global__ void RouteKernel(const T* __restrict__ logits, const float* __restric
     };
     lane_best();
     for (int j = 0; j < k; ++j) {
-      int32_t v = best;
-      int i = best_i;
-      for (int o = 16; o > 0; o /= 2) {
-        const int32_t ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-      }
+      // The largest key, then the lowest expert holding it (sm_80 warp
+      // reductions: two instructions instead of five shuffle rounds).
+      const int32_t top = __reduce_max_sync(0xffffffffu, best);
+      const int i = __reduce_min_sync(0xffffffffu, best == top ? best_i : experts);
       if (lane == 0) pick[j] = i < experts ? i : 0;  // i < experts: k <= experts
       if (i < experts && i % 32 == lane) {
         key[i] = kTaken;
