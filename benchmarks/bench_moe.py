@@ -161,7 +161,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, any backend (smoke test)")
     p.add_argument("--shapes", nargs="*", help="subset of shape names")
     p.add_argument("--tokens", nargs="*", type=int)
-    p.add_argument("--calls", type=int, default=None, help="layer calls per timed loop")
+    p.add_argument("--calls", type=int, default=None,
+                   help="layer calls per timed loop (default 20, and 100 at T <= 16: a program's "
+                        "fixed cost varies by a few hundred µs between runs, which over 16 calls "
+                        "moved Qwen3-30B-A3B T=1 between 29 and 38 µs in one H200 session)")
     p.add_argument("--ref-calls", type=int, default=None,
                    help="calls per timed loop of the pure-JAX path (slow at large T; default 10, "
                         "a slope against 2 calls: with 5 against 1, Mixtral T=16 read 580-725 "
@@ -175,7 +178,8 @@ def main() -> None:
     if args.shapes:
         shapes = {n: shapes[n] for n in args.shapes}
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
-    calls = args.calls or (2 if args.quick else 20)
+    def calls_for(t):  # see --calls
+        return args.calls or (2 if args.quick else (100 if t <= 16 else 20))
     ref_calls = args.ref_calls if args.ref_calls is not None else (2 if args.quick else 10)
     repeats = 2 if args.quick else args.repeats
     dtype = jnp.float32 if args.quick and jax.default_backend() == "cpu" else jnp.bfloat16
@@ -189,7 +193,8 @@ def main() -> None:
             "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
             "floor_bandwidth_Bps": bw, "floor_matmul_flops": rate,
             "measured_bandwidth_Bps": measured_bw, "measured_matmul_flops": measured_rate,
-            "quick": args.quick, "calls": calls, "ref_calls": ref_calls, "repeats": repeats}
+            "quick": args.quick, "calls": {t: calls_for(t) for t in tokens}, "ref_calls": ref_calls,
+            "repeats": repeats}
     rng = np.random.default_rng(0)
     rows = []
     write_json(args.json, meta, rows)
@@ -197,7 +202,7 @@ def main() -> None:
           f"{'TFLOP/s':>9}{'pure JAX µs':>13}{'speed-up':>9}")
     for name, shape in shapes.items():
         for t in tokens:
-            r = bench_case(name, shape, t, dtype, calls, ref_calls, repeats, bw, rate, rng)
+            r = bench_case(name, shape, t, dtype, calls_for(t), ref_calls, repeats, bw, rate, rng)
             rows.append(r)
             write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
             ref = ("-" if ref_calls == 0 else "failed") if r["reference_us"] is None \
