@@ -51,27 +51,6 @@ inline bool IsFloatType(ffi::DataType t) {
 // Activation codes shared by Python (jax_moe/ops.py) and both backends.
 enum Activation : int64_t { kSilu = 0, kGeluExact = 1, kGeluTanh = 2 };
 
-// The activations in f32 on the host (the CPU handlers); the CUDA twin is
-// ActDevice in cuda/cuda_common.cuh, the same expressions.
-inline float ActHost(float g, int64_t act) {
-  switch (act) {
-    case kGeluExact: return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
-    case kGeluTanh: {
-      float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-      return 0.5f * g * (1.f + std::tanh(inner));
-    }
-    default: return g / (1.f + std::exp(-g));
-  }
-}
-
-// Bytes of group_gemm's scratch output that hold the activated input when
-// the activation cannot be fused into the kernel's loads (the kernel runs the
-// activation there first): M x K elements, rounded up to 256 bytes so that
-// what follows (the sm90 path's scratch) stays aligned. Exported to Python.
-inline int64_t GroupGemmActScratchBytes(int64_t m, int64_t k, int64_t elem_bytes) {
-  return (m * k * elem_bytes + 255) / 256 * 256;
-}
-
 // Number of flat (token, slot) entries each block of the token-index kernels
 // owns. Python sizes the scratch output with the same constant (exported by
 // the module as INDEX_CHUNK).

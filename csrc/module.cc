@@ -65,9 +65,6 @@ NB_MODULE(_jax_moe, m) {
 #else
   m.attr("HAS_SM90_GEMM") = false;
 #endif
-  m.def("group_gemm_act_scratch_bytes", &GroupGemmActScratchBytes, nb::arg("m"), nb::arg("k"),
-        nb::arg("elem_bytes"),
-        "Bytes of group_gemm's scratch output that hold the activated input (act >= 0).");
   m.attr("INDEX_CHUNK") = kIndexChunk;
   m.attr("DECODE_SPLIT_UNIT") = kDecodeSplitUnit;
   m.attr("DECODE_MAX_SPLIT_TOKENS") = kDecodeMaxSplitTokens;

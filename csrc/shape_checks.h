@@ -47,27 +47,18 @@ struct GemmDims {
 };
 
 // x (M, K), or with `gather` x (T, K) and rows (M,) naming token rows (step 3
-// fused into the GEMM), or with an activation `act` >= 0 (step 5 fused into
-// the GEMM's input) x (M, 2K) when `act_gated`, else (M, K); w (E, N, K);
-// out (M, N).
+// fused into the GEMM); w (E, N, K); out (M, N).
 inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                                  const ffi::Buffer<ffi::S32>& sizes,
                                  const ffi::Buffer<ffi::S32>& rows, bool gather, int64_t topk,
-                                 int64_t tile_m, int64_t act, bool act_gated,
-                                 const ffi::AnyBuffer& out, GemmDims* d) {
+                                 int64_t tile_m, const ffi::AnyBuffer& out, GemmDims* d) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3)
     return InvalidArg("group_gemm: x must be (M, K) and w (E, N, K)");
-  if (act < -1 || act > kGeluTanh) return InvalidArg("group_gemm: unknown activation code");
-  if (act >= 0 && gather) return InvalidArg("group_gemm: no activation with a gather");
   const int64_t m = gather ? static_cast<int64_t>(rows.element_count()) : xd[0];
-  *d = {m, wd[2], wd[0], wd[1], xd[0]};
-  if (act >= 0 && act_gated) {
-    if (xd[1] != 2 * d->k) return InvalidArg("group_gemm: x must be (M, 2K) with a gated activation");
-  } else if (xd[1] != d->k) {
-    return InvalidArg("group_gemm: K of x and w differ");
-  }
+  *d = {m, xd[1], wd[0], wd[1], xd[0]};
+  if (wd[2] != d->k) return InvalidArg("group_gemm: K of x and w differ");
   if (static_cast<int64_t>(sizes.element_count()) != d->groups)
     return InvalidArg("group_gemm: expert_sizes must have E entries");
   if (x.element_type() != w.element_type() || out.element_type() != x.element_type())

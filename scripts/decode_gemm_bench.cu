@@ -73,7 +73,6 @@ GemmArgs DenseArgs(int64_t m, int64_t n, int64_t k) {
   a.n = n;
   a.k = k;
   a.src = RowSource{nullptr, 1, m};
-  a.x_stride = k;
   a.vec_in = a.vec_out = true;
   return a;
 }

@@ -134,10 +134,6 @@ def split_rows(rng, rows, num_experts, pattern):
         allowed[rng.integers(e)] = True
     elif pattern == "none":
         used = 0
-    elif pattern == "even":  # rows // E each, the remainder one each to the first experts
-        sizes = np.full(e, rows // e, np.int32)
-        sizes[: rows % e] += 1
-        return sizes
     else:
         raise ValueError(pattern)
     if not allowed.any():  # E too small for the pattern: fall back to all experts
@@ -156,7 +152,6 @@ ref.moe_compute_token_index = jax.jit(
 ref.moe_expand_input = jax.jit(reference.moe_expand_input, static_argnames=("topk",))
 ref.group_gemm = jax.jit(reference.group_gemm)
 ref.gated_activation = jax.jit(reference.gated_activation, static_argnames=("activation",))
-ref.group_gemm_act = jax.jit(reference.group_gemm_act, static_argnames=("activation", "gated"))
 ref.moe_combine = jax.jit(reference.moe_combine)
 
 

@@ -68,14 +68,6 @@ OP_CASES = [
     ("act/scalar", lambda m: m.gated_activation, [z(())], ValueError, r"\bh\b"),
     ("act/int", lambda m: m.gated_activation, [z((T, 2 * I), jnp.int32)], TypeError, r"\bh\b"),
     ("act/bad_name", lambda m: P(m.gated_activation, activation="relu"), [z((T, 2 * I))], ValueError, "activation"),
-    # steps 5 + 6
-    ("gemm_act/h_width", lambda m: m.group_gemm_act, [z((T * K, 2 * I + 1)), W2, SIZES], ValueError, r"\bh\b"),
-    ("gemm_act/plain_width", lambda m: P(m.group_gemm_act, gated=False), [z((T * K, 2 * I)), W2, SIZES], ValueError, r"\bh\b"),
-    ("gemm_act/h_rank", lambda m: m.group_gemm_act, [z((2 * I,)), W2, SIZES], ValueError, r"\bh\b"),
-    ("gemm_act/w_rank", lambda m: m.group_gemm_act, [z((T * K, 2 * I)), W2[0], SIZES], ValueError, r"\bw\b"),
-    ("gemm_act/sizes_len", lambda m: m.group_gemm_act, [z((T * K, 2 * I)), W2, SIZES[:-1]], ValueError, "expert_sizes"),
-    ("gemm_act/dtype_mismatch", lambda m: m.group_gemm_act, [z((T * K, 2 * I), jnp.bfloat16), W2, SIZES], TypeError, r"\bw\b"),
-    ("gemm_act/bad_name", lambda m: P(m.group_gemm_act, activation="relu"), [z((T * K, 2 * I)), W2, SIZES], ValueError, "activation"),
     # step 7
     ("combine/y_rank", lambda m: m.moe_combine, [z((T * K,)), z((T, K)), S2D], ValueError, r"\by\b"),
     ("combine/y_int", lambda m: m.moe_combine, [z((T * K, H), jnp.int32), z((T, K)), S2D], TypeError, r"\by\b"),

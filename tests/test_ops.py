@@ -772,72 +772,6 @@ def _combine_inputs(rng, tokens, k, hidden, dtype, remote):
     return y, weights, s2d
 
 
-# --------------------------------------------------- steps 5 + 6: group_gemm_act
-
-# (M, E, N, K, pattern): where the CUDA paths switch. Decode rows (one per
-# expert) with 2048 and 1536 columns: the 8-row kernel's persistent and
-# block-per-tile forms on an H200 (512 and 384 tiles); 16 rows on each of 64
-# experts: enough tiles for the TMA kernel at tile 16 (the activation runs
-# first); K not a multiple of 8 (no 16-byte loads: tile 32); a ragged mix.
-ACT_GEMM_SHAPES = [
-    (8, 8, 2048, 64, "even"),
-    (8, 8, 1536, 72, "even"),
-    (1024, 64, 2048, 64, "even"),
-    (40, 8, 24, 13, "empty_middle"),
-    (300, 6, 136, 264, "all_in_one"),
-]
-
-
-def _act_gemm_inputs(rng, m, e, n, k, pattern, dtype, gated=True):
-    h = normal(rng, (m, 2 * k if gated else k), dtype, 2.0)
-    w = normal(rng, (e, n, k), dtype, 1 / np.sqrt(k))
-    sizes = jnp.asarray(split_rows(rng, m, e, pattern), jnp.int32)
-    return h, w, sizes
-
-
-@dtypes
-@pytest.mark.parametrize("tile_m", [None, 8, 16, 32, 128, 256], ids=lambda t: f"tile{t}")
-@pytest.mark.parametrize("shape", ACT_GEMM_SHAPES, ids=str)
-def test_group_gemm_act_is_the_two_ops(rng, shape, tile_m, dtype):
-    # The same bits as the activation op followed by group_gemm (the fused
-    # decode path computes the activation's expression as it loads h), and
-    # close to the reference.
-    h, w, sizes = _act_gemm_inputs(rng, *shape, dtype)
-    got = ops.group_gemm_act(h, w, sizes, tile_m=tile_m)
-    assert got.shape == (shape[0], shape[2]) and got.dtype == dtype
-    two = ops.group_gemm(ops.gated_activation(h), w, sizes, tile_m=tile_m)
-    assert_equal(got, two, "vs gated_activation then group_gemm")
-    assert_close(got, ref.group_gemm_act(h, w, sizes), dtype, "vs reference")
-
-
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("tile_m", [8, 128], ids=lambda t: f"tile{t}")
-def test_group_gemm_act_activations(rng, activation, gated, tile_m):
-    # Only gated SiLU is fused into the loads; the others run the activation
-    # first on every path.
-    h, w, sizes = _act_gemm_inputs(rng, 8, 8, 1536, 72, "even", jnp.bfloat16, gated)
-    got = ops.group_gemm_act(h, w, sizes, activation, gated=gated, tile_m=tile_m)
-    act = ops.gated_activation(h, activation) if gated else ops.activation(h, activation)
-    assert_equal(got, ops.group_gemm(act, w, sizes, tile_m=tile_m), "vs the two ops")
-    assert_close(got, ref.group_gemm_act(h, w, sizes, activation, gated=gated), jnp.bfloat16,
-                 "vs reference")
-
-
-@pytest.mark.sanitize
-@pytest.mark.parametrize("tile_m", [8, 16, 256], ids=lambda t: f"tile{t}")
-def test_group_gemm_act_small_sanitize(rng, tile_m):
-    # For compute-sanitizer: the fused loads at a K tail that is one 16-byte
-    # chunk, an empty expert, rows past sum(sizes) (zeroed), and the
-    # activation-first path with the scratch's two regions (tile 256).
-    h = normal(rng, (20, 2 * 40), jnp.bfloat16, 2.0)
-    w = normal(rng, (4, 48, 40), jnp.bfloat16, 0.2)
-    sizes = jnp.asarray([7, 0, 9, 2], jnp.int32)
-    got = ops.group_gemm_act(h, w, sizes, tile_m=tile_m)
-    assert_close(got, ref.group_gemm_act(h, w, sizes), jnp.bfloat16, "vs reference")
-    assert np.all(np.asarray(got[18:]).astype(np.float32) == 0)
-
-
 @dtypes
 @pytest.mark.parametrize("remote", [False, True], ids=["all_local", "some_remote"])
 @pytest.mark.parametrize("shape", COMBINE_SHAPES, ids=str)
@@ -894,12 +828,10 @@ ZERO_TOKEN_CALLS = {  # every op on T = 0 tokens (an empty local batch)
                                          jnp.zeros((8,), jnp.int32)),
     "gated_act": lambda m: m.gated_activation(jnp.zeros((0, 6))),
     "combine": lambda m: m.moe_combine(jnp.zeros((0, 16)), jnp.zeros((0, 2)), jnp.zeros((0,), jnp.int32)),
-    "group_gemm_act": lambda m: m.group_gemm_act(jnp.zeros((0, 12)), jnp.zeros((8, 6, 6)),
-                                                 jnp.zeros((8,), jnp.int32)),
 }
 ZERO_TOKEN_SHAPES = {"topk_softmax": [(0, 2), (0, 2)], "token_index": [(0,), (0,), (8,)],
                      "expand": [(0, 16)], "group_gemm": [(0, 6)], "gated_act": [(0, 3)],
-                     "combine": [(0, 16)], "group_gemm_act": [(0, 6)]}
+                     "combine": [(0, 16)]}
 
 
 @pytest.mark.sanitize
@@ -922,7 +854,6 @@ TARGETS = {
     "group_gemm": "jax_moe_group_gemm",
     "gated_act": "jax_moe_gated_act",
     "combine": "jax_moe_combine",
-    "group_gemm_act": "jax_moe_group_gemm",
 }
 
 
@@ -959,12 +890,6 @@ def op_case(name, rng, dtype, batch=None):
         activation = name.split(":")[1] if ":" in name else "silu"
         return functools.partial(ops.gated_activation, activation=activation), (
             normal(rng, lead + (tokens * k, 2 * inter), dtype, 2.0),)
-    if name == "group_gemm_act":
-        m = tokens * k
-        return ops.group_gemm_act, (
-            normal(rng, lead + (m, 2 * inter), dtype, 2.0),
-            normal(rng, lead + (experts, hidden, inter), dtype, 1 / np.sqrt(inter)),
-            stack(lambda: split_rows(rng, m, experts, "empty_middle")))
     if name == "combine":
         return ops.moe_combine, (
             normal(rng, lead + (tokens * k, hidden), dtype),

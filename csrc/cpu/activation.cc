@@ -8,6 +8,17 @@
 namespace jax_moe {
 namespace {
 
+inline float ActHost(float g, int64_t act) {
+  switch (act) {
+    case kGeluExact: return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
+    case kGeluTanh: {
+      float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      return 0.5f * g * (1.f + std::tanh(inner));
+    }
+    default: return g / (1.f + std::exp(-g));
+  }
+}
+
 ffi::Error GatedActCpu(ffi::AnyBuffer h, int64_t activation, bool gated,
                        ffi::Result<ffi::AnyBuffer> out) {
   ActDims d;

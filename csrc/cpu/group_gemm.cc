@@ -1,10 +1,8 @@
 // Steps 4 and 6 on the CPU: out[rows of group e] = x[rows of e] @ w[e]^T,
 // f32 accumulation. Rows past sum(expert_sizes) are zero. With `gather`, row r
 // of the input is x[rows[r] / topk] (zero when out of range), as in step 3.
-// With an activation (act >= 0) the input is act(x[:, :K]) * x[:, K:] (gated)
-// or act(x), computed first as step 5 computes it. tile_m is a CUDA tuning
-// knob: checked, otherwise unused here, and so is the scratch output (the
-// CUDA kernels' workspace).
+// tile_m is a CUDA tuning knob: checked, otherwise unused here, and so is the
+// scratch output (the CUDA sm90 path's workspace).
 #include <algorithm>
 #include <vector>
 
@@ -57,30 +55,14 @@ void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes, const
 
 ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
-                        bool gather, int64_t topk, int64_t tile_m, int64_t act, bool act_gated,
+                        bool gather, int64_t topk, int64_t tile_m,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*scratch*/) {
   GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, act, act_gated,
-                                *out, &d);
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() {
-    using S = HostScalar<DT>;
-    const void* in = x.untyped_data();
-    std::vector<typename S::Storage> activated;
-    if (act >= 0) {  // step 5 first, rounded to the dtype as its own op rounds
-      const auto* h = static_cast<const typename S::Storage*>(in);
-      const int64_t width = act_gated ? 2 * d.k : d.k;
-      activated.resize(d.m * d.k);
-      for (int64_t r = 0; r < d.m; ++r)
-        for (int64_t c = 0; c < d.k; ++c) {
-          float a = ActHost(S::Load(h[r * width + c]), act);
-          if (act_gated) a *= S::Load(h[r * width + d.k + c]);
-          activated[r * d.k + c] = S::Store(a);
-        }
-      in = activated.data();
-    }
-    GroupGemm<DT>(in, w.untyped_data(), expert_sizes.typed_data(), d,
+    GroupGemm<DT>(x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
                   gather ? rows.typed_data() : nullptr, topk, out->untyped_data());
     return ffi::Error::Success();
   });
@@ -97,8 +79,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
                                   .Attr<bool>("gather")
                                   .Attr<int64_t>("topk")
                                   .Attr<int64_t>("tile_m")
-                                  .Attr<int64_t>("act")
-                                  .Attr<bool>("act_gated")
                                   .Ret<ffi::AnyBuffer>()    // out
                                   .Ret<ffi::AnyBuffer>());  // scratch (unused here)
 

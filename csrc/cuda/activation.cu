@@ -7,6 +7,17 @@
 namespace jax_moe {
 namespace {
 
+template <int ACT>
+__device__ __forceinline__ float Act(float g) {
+  if constexpr (ACT == kGeluExact) {
+    return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+  } else if constexpr (ACT == kGeluTanh) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  } else {
+    return g / (1.f + expf(-g));
+  }
+}
+
 template <ffi::DataType DT, int ACT, bool GATED, int VEC>
 __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
                                int64_t rows, int64_t inter,
@@ -32,7 +43,7 @@ __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
     }
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
-      float a = ActDevice<ACT>(S::Load(g[v]));
+      float a = Act<ACT>(S::Load(g[v]));
       if constexpr (GATED) a *= S::Load(u[v]);
       o[v] = S::Store(a);
     }
@@ -72,32 +83,19 @@ ffi::Error GatedActCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activatio
   if (auto err = CheckActivation(h, activation, gated, *out, &d); err.failure()) return err;
   const int64_t rows = d.rows, inter = d.inter;
   if (rows * inter == 0) return ffi::Error::Success();
-  if (LaunchActivation(stream, h.element_type(), activation, gated, h.untyped_data(), rows, inter,
-                       out->untyped_data()) == cudaErrorInvalidValue)
-    return InvalidArg("activation: h must be f32, bf16 or f16");
-  return LastCudaError("activation launch");
+  return DispatchFloat(h.element_type(), "h", [&]<ffi::DataType DT>() {
+    const void* in = h.untyped_data();
+    void* o = out->untyped_data();
+    switch (activation) {
+      case kGeluExact: LaunchGated<DT, kGeluExact>(stream, gated, in, rows, inter, o); break;
+      case kGeluTanh: LaunchGated<DT, kGeluTanh>(stream, gated, in, rows, inter, o); break;
+      default: LaunchGated<DT, kSilu>(stream, gated, in, rows, inter, o);
+    }
+    return LastCudaError("activation launch");
+  });
 }
 
 }  // namespace
-
-cudaError_t LaunchActivation(cudaStream_t stream, ffi::DataType dtype, int64_t activation,
-                             bool gated, const void* in, int64_t rows, int64_t inter, void* out) {
-  auto launch = [&]<ffi::DataType DT>() {
-    switch (activation) {
-      case kGeluExact: LaunchGated<DT, kGeluExact>(stream, gated, in, rows, inter, out); break;
-      case kGeluTanh: LaunchGated<DT, kGeluTanh>(stream, gated, in, rows, inter, out); break;
-      default: LaunchGated<DT, kSilu>(stream, gated, in, rows, inter, out);
-    }
-    return cudaGetLastError();
-  };
-  if (rows * inter == 0) return cudaSuccess;
-  switch (dtype) {
-    case ffi::DataType::F32: return launch.template operator()<ffi::DataType::F32>();
-    case ffi::DataType::BF16: return launch.template operator()<ffi::DataType::BF16>();
-    case ffi::DataType::F16: return launch.template operator()<ffi::DataType::F16>();
-    default: return cudaErrorInvalidValue;
-  }
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatedActCuda, GatedActCuda,
                               ffi::Ffi::Bind()

@@ -55,23 +55,6 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// The activations in f32 (ACT: an Activation code); ActHost's twin.
-template <int ACT>
-__device__ __forceinline__ float ActDevice(float g) {
-  if constexpr (ACT == kGeluExact) {
-    return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-  } else if constexpr (ACT == kGeluTanh) {
-    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-  } else {
-    return g / (1.f + expf(-g));
-  }
-}
-
-// Step 5 (csrc/cuda/activation.cu) as a launch on `stream`: out (rows, inter)
-// = act(in[:, :inter]) * in[:, inter:] (gated) or act(in), in `dtype`.
-cudaError_t LaunchActivation(cudaStream_t stream, ffi::DataType dtype, int64_t activation,
-                             bool gated, const void* in, int64_t rows, int64_t inter, void* out);
-
 // ---- tensor-core building blocks (sm_80+): mma.sync m16n8k16 fed by ldmatrix
 
 template <typename T>
@@ -80,15 +63,6 @@ __device__ __forceinline__ uint16_t FromFloat16(float v) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
   } else {
     return __half_as_ushort(__float2half_rn(v));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float ToFloat16(uint16_t v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(__ushort_as_bfloat16(v));
-  } else {
-    return __half2float(__ushort_as_half(v));
   }
 }
 

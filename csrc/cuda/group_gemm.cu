@@ -455,7 +455,6 @@ struct GemmArgs {
   int64_t m, n, k, num_experts, mslots, ntiles, total_blocks;
   bool vec_in, vec_out;
   RowSource src;
-  int64_t x_stride;  // elements between rows of x: k, or 2k for the skinny kernel's SiLU-and-mul
 };
 
 // The grid-stride loop of every GEMM kernel: block id -> (m-slot, column
@@ -617,31 +616,11 @@ __device__ __forceinline__ uint4 LdgStream(const void* p) {
   return v;
 }
 
-// silu(g) * u of 8 packed elements each, in f32, rounded to T: the
-// activation op's expression (csrc/cuda/activation.cu), so the fused GEMM
-// sees the same bits the unfused one reads.
-template <typename T>
-__device__ __forceinline__ uint4 SiluMul8(const uint4& g, const uint4& u) {
-  const uint32_t gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float lo = ActDevice<kSilu>(ToFloat16<T>(static_cast<uint16_t>(gs[i] & 0xffffu)));
-    float hi = ActDevice<kSilu>(ToFloat16<T>(static_cast<uint16_t>(gs[i] >> 16)));
-    lo *= ToFloat16<T>(static_cast<uint16_t>(us[i] & 0xffffu));
-    hi *= ToFloat16<T>(static_cast<uint16_t>(us[i] >> 16));
-    o[i] = Pack2(FromFloat16<T>(lo), FromFloat16<T>(hi));
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// KT: k steps per trip of the load loop (KT x 5 16-byte loads in flight per
-// lane). kSiluX: x rows are [gate | up] (2k wide) and the tile's input is
-// silu(gate) * up, computed as it is loaded (step 5 fused into step 6).
-template <typename T, int KT, bool kSiluX = false>
+// KT: k steps per trip of the load loop (KT x 5 16-byte loads in flight per lane).
+template <typename T, int KT>
 __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                            uint16_t* __restrict__ out, const Tile& tile, const RowSource& src,
-                           int64_t n0, int64_t n, int64_t k, int64_t x_stride) {
+                           int64_t n0, int64_t n, int64_t k) {
   __shared__ float red[kSKW][kSBN][kSR];
   const int wk = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -650,7 +629,7 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
   // Token row g of the tile (null: past the tile or a zero row).
   const int64_t ar = tile.row0 + g;
   const int64_t xr = ar < tile.row_lim ? src.Row(ar) : -1;
-  const uint16_t* xrow = xr >= 0 ? x + xr * x_stride + 8 * t : nullptr;
+  const uint16_t* xrow = xr >= 0 ? x + xr * k + 8 * t : nullptr;
   // Weight rows g and g+8 of both m16 groups (null: past N).
   const uint16_t* wrow[4];
   const uint16_t* we = w + tile.expert * n * k;
@@ -669,13 +648,7 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
   auto load = [&](int64_t s, uint4& xa, uint4 (&wv)[4]) {
     const int64_t k0 = s * kSKStep;
     const bool kin = s < ksteps && k0 + 8 * t < k;  // K % 8 == 0: whole chunk or none
-    if constexpr (kSiluX) {
-      xa = kin && xrow ? SiluMul8<T>(__ldg(reinterpret_cast<const uint4*>(xrow + k0)),
-                                     __ldg(reinterpret_cast<const uint4*>(xrow + k + k0)))
-                       : make_uint4(0, 0, 0, 0);
-    } else {
-      xa = kin && xrow ? __ldg(reinterpret_cast<const uint4*>(xrow + k0)) : make_uint4(0, 0, 0, 0);
-    }
+    xa = kin && xrow ? __ldg(reinterpret_cast<const uint4*>(xrow + k0)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       wv[j] = kin && wrow[j] ? LdgStream(wrow[j] + k0) : make_uint4(0, 0, 0, 0);
@@ -725,26 +698,26 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
 
 // A block per tile (small launches: hardware scheduling fills the SMs best
 // when there are only a few waves), two k steps per trip, 3 blocks per SM.
-template <typename T, bool kSiluX = false>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 3)
     GroupGemmSkinnyKernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                           const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                           GemmArgs a) {
   ForEachTile<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    SkinnyTile<T, 2, kSiluX>(x, w, out, tile, a.src, n0, a.n, a.k, a.x_stride);
+    SkinnyTile<T, 2>(x, w, out, tile, a.src, n0, a.n, a.k);
   });
 }
 
 // Persistent (large launches): 4 blocks per SM of one k step per trip kept
 // the most loads in flight in the H200 measurements (64 registers).
-template <typename T, bool kSiluX = false>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 4)
     GroupGemmSkinnyPersistentKernel(const uint16_t* __restrict__ x,
                                     const uint16_t* __restrict__ w,
                                     const int32_t* __restrict__ sizes,
                                     uint16_t* __restrict__ out, GemmArgs a) {
   ForEachTilePersistent<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    SkinnyTile<T, 1, kSiluX>(x, w, out, tile, a.src, n0, a.n, a.k, a.x_stride);
+    SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k);
   });
 }
 
@@ -1135,20 +1108,6 @@ constexpr int64_t kTmaLongK = 8192;
 // capability 9.0+, w 16-byte aligned, K % 8 == 0 (the caller's vec_in), E*N
 // and K < 2^31 - 256 (int32 coordinates), E <= kPersistMaxE, M < 2^31.
 template <typename T, int Consumers, int Stages, int KB>
-bool TmaTakes(GemmArgs a, int64_t groups, int64_t min_waves) {
-  using C = TmaCfg<Consumers, Stages, KB>;
-  constexpr auto kernel = GroupGemmTmaKernel<T, Consumers, Stages, KB>;
-  // The opt-in comes before the occupancy query.
-  if (EnsureDynamicSmem<kernel>(C::kSmem) != cudaSuccess) return false;
-  const int resident = ResidentBlocks<kernel>(C::kThreads, C::kSmem);
-  Schedule(a, groups, C::kRows, C::kCols);
-  // Long tiles amortise the kernel's start with fewer of them: half a
-  // resident grid suffices from K = kTmaLongK.
-  return resident > 0 && (a.total_blocks >= min_waves * resident ||
-                          (a.k >= kTmaLongK && 2 * a.total_blocks >= resident));
-}
-
-template <typename T, int Consumers, int Stages, int KB>
 cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
                       const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups,
                       int64_t min_waves, bool* ran) {
@@ -1157,9 +1116,13 @@ cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
   *ran = false;
   const cudaError_t attr = EnsureDynamicSmem<kernel>(C::kSmem);  // before the occupancy query
   if (attr != cudaSuccess) return attr;
-  if (!TmaTakes<T, Consumers, Stages, KB>(a, groups, min_waves)) return cudaSuccess;
   const int resident = ResidentBlocks<kernel>(C::kThreads, C::kSmem);
   Schedule(a, groups, C::kRows, C::kCols);
+  // Long tiles amortise the kernel's start with fewer of them: half a
+  // resident grid suffices from K = kTmaLongK.
+  const bool enough = a.total_blocks >= min_waves * resident ||
+                      (a.k >= kTmaLongK && 2 * a.total_blocks >= resident);
+  if (resident <= 0 || !enough) return cudaSuccess;
   const TensorMapEncodeFn encode = TensorMapEncode();
   if (encode == nullptr) return cudaSuccess;
   // w as a 2-D tensor of E*N rows of K elements; boxes of kCols rows x 64 k,
@@ -1188,44 +1151,20 @@ cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
 constexpr int kTmaConsumers = 8, kTmaStages = 3, kTmaBoxes = 1;
 constexpr int64_t kTmaWaves = 2;
 
-// An activation on the GEMM's input (group_gemm's act attributes): x holds
-// the activation op's input, M rows of [gate | up] (gated) or of K. The
-// skinny kernels apply SiLU-and-mul as they load x; every other case runs the
-// activation op into `scratch` (M x K elements, 16-byte aligned) first.
-struct ActIn {
-  int64_t code = -1;  // an Activation; -1: none
-  bool gated = false;
-  void* scratch = nullptr;
-};
-
-// Launches the kernels for one dtype and tile on `stream`; nothing else (no
+// Launches the kernel for one dtype and tile on `stream`; nothing else (no
 // sync, no allocation). m > 0 and n > 0. tile_m is 8, 16, 32, 64 or 128 (256
 // is resolved by the caller).
 template <ffi::DataType DT>
 cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
                             const int32_t* sizes, void* out, const GemmDims& d,
-                            const int32_t* rows, int64_t topk, int64_t tile_m,
-                            const ActIn& act = {}) {
+                            const int32_t* rows, int64_t topk, int64_t tile_m) {
   GemmArgs a{};
   a.m = d.m;
   a.n = d.n;
   a.k = d.k;
-  a.x_stride = d.k;
   a.src = RowSource{rows, topk, d.x_rows * topk};
-  // What the kernels read as x, and the activation still to apply to it.
-  const void* xin = x;
-  int64_t code = act.code;
-  auto unfuse = [&]() -> cudaError_t {
-    if (code < 0) return cudaSuccess;
-    const cudaError_t err =
-        LaunchActivation(stream, DT, code, act.gated, xin, d.m, d.k, act.scratch);
-    xin = act.scratch;
-    code = -1;
-    return err;
-  };
   if constexpr (DT == ffi::DataType::F32) {
-    if (const cudaError_t err = unfuse(); err != cudaSuccess) return err;
-    const auto* xp = static_cast<const float*>(xin);
+    const auto* xp = static_cast<const float*>(x);
     const auto* wp = static_cast<const float*>(w);
     auto* op = static_cast<float*>(out);
     a.vec_in = d.k % 4 == 0 && Aligned16(xp) && Aligned16(wp);
@@ -1235,11 +1174,10 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
     return cudaGetLastError();
   } else {
     using T = std::conditional_t<DT == ffi::DataType::BF16, __nv_bfloat16, __half>;
+    const auto* xp = static_cast<const uint16_t*>(x);
     const auto* wp = static_cast<const uint16_t*>(w);
     auto* op = static_cast<uint16_t*>(out);
-    // x and the scratch are both 16-byte aligned or x is not: the same answer.
-    a.vec_in = d.k % 8 == 0 && Aligned16(x) && Aligned16(wp) &&
-               (code < 0 || Aligned16(act.scratch));
+    a.vec_in = d.k % 8 == 0 && Aligned16(xp) && Aligned16(wp);
     a.vec_out = d.n % 8 == 0 && Aligned16(op);
     // The decode kernels only do 16-byte loads.
     if ((tile_m == 8 || tile_m == 16) && !a.vec_in) tile_m = 32;
@@ -1251,43 +1189,29 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
       // TMA coordinates are int32: rows up to E*N + 127, k up to K + 63.
       constexpr int64_t kCoordMax = (int64_t{1} << 31) - 256;
       if (DeviceMajor() >= 9 && PersistScheduleFits(d.groups, d.m) &&
-          d.groups * d.n < kCoordMax && d.k < kCoordMax &&
-          TmaTakes<T, kTmaConsumers, kTmaStages, kTmaBoxes>(a, d.groups, kTmaWaves)) {
-        if (const cudaError_t err = unfuse(); err != cudaSuccess) return err;
+          d.groups * d.n < kCoordMax && d.k < kCoordMax) {
         bool ran = false;
         const cudaError_t err = LaunchTma<T, kTmaConsumers, kTmaStages, kTmaBoxes>(
-            stream, static_cast<const uint16_t*>(xin), wp, sizes, op, a, d.groups, kTmaWaves,
-            &ran);
+            stream, xp, wp, sizes, op, a, d.groups, kTmaWaves, &ran);
         if (err != cudaSuccess || ran) return err;
       }
       tile_m = 8;
     }
-    if (tile_m == 8) {
-      // SiLU-and-mul is fused into the loads; other activations run first.
-      if (!(code == kSilu && act.gated))
-        if (const cudaError_t err = unfuse(); err != cudaSuccess) return err;
-      auto skinny = [&]<bool kSiluX>() {
-        const auto* xp = static_cast<const uint16_t*>(xin);
-        a.x_stride = kSiluX ? 2 * d.k : d.k;
+    switch (tile_m) {
+      case 8: {
         const unsigned grid = Schedule(a, d.groups, kSR, kSBN);
-        const int resident = ResidentBlocks<GroupGemmSkinnyPersistentKernel<T, kSiluX>>(kThreads);
+        const int resident = ResidentBlocks<GroupGemmSkinnyPersistentKernel<T>>(kThreads);
         if (resident > 0 && PersistScheduleFits(d.groups, d.m) &&
             (a.total_blocks >= kPersistWaves * resident ||
-             SkinnyPersistentWins(
-                 a, d.groups, ResidentBlocks<GroupGemmSkinnyKernel<T, kSiluX>>(kThreads),
-                 resident))) {
-          GroupGemmSkinnyPersistentKernel<T, kSiluX>
+             SkinnyPersistentWins(a, d.groups, ResidentBlocks<GroupGemmSkinnyKernel<T>>(kThreads),
+                                  resident))) {
+          GroupGemmSkinnyPersistentKernel<T>
               <<<static_cast<unsigned>(resident), kThreads, 0, stream>>>(xp, wp, sizes, op, a);
         } else {
-          GroupGemmSkinnyKernel<T, kSiluX><<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, a);
+          GroupGemmSkinnyKernel<T><<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, a);
         }
         return cudaGetLastError();
-      };
-      return code >= 0 ? skinny.template operator()<true>() : skinny.template operator()<false>();
-    }
-    if (const cudaError_t err = unfuse(); err != cudaSuccess) return err;
-    const auto* xp = static_cast<const uint16_t*>(xin);
-    switch (tile_m) {
+      }
       case 32:
         return LaunchMma<T, 32, kBN>(stream, xp, wp, sizes, op, a, d.groups);
       case 64:
@@ -1301,46 +1225,25 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
   }
 }
 
-// `scratch` (bytes): with an activation, its first GroupGemmActScratchBytes
-// hold the activated input where it is not fused; the sm90 path (tile_m =
-// 256) uses what follows.
+// `scratch` (bytes) is only used by the sm90 path (tile_m = 256).
 ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
-                         bool gather, int64_t topk, int64_t tile_m, int64_t act, bool act_gated,
+                         bool gather, int64_t topk, int64_t tile_m,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch) {
   GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, act, act_gated,
-                                *out, &d);
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
     const int32_t* row_src = gather ? rows.typed_data() : nullptr;
-    ActIn ain{act, act_gated, nullptr};
-    int64_t act_bytes = 0;
-    if (act >= 0) {
-      act_bytes = GroupGemmActScratchBytes(d.m, d.k, ffi::ByteWidth(DT));
-      if (static_cast<int64_t>(scratch->size_bytes()) < act_bytes)
-        return InvalidArg("group_gemm: the scratch output is too small for the activation");
-      ain.scratch = scratch->untyped_data();
-    }
-    const void* xin = x.untyped_data();
 #ifdef JAX_MOE_WITH_SM90
     if constexpr (DT != ffi::DataType::F32) {
       if (tile_m == 256) {
-        if (ain.code >= 0) {  // the sm90 kernel reads plain rows: the activation first
-          const cudaError_t err = LaunchActivation(stream, DT, ain.code, ain.gated, xin, d.m, d.k,
-                                                   ain.scratch);
-          if (err != cudaSuccess)
-            return ffi::Error::Internal(std::string("jax_moe: activation launch failed: ") +
-                                        cudaGetErrorString(err));
-          xin = ain.scratch;
-          ain.code = -1;
-        }
         Sm90GemmCall call{};
         call.stream = stream;
         call.bf16 = DT == ffi::DataType::BF16;
-        call.x = xin;
+        call.x = x.untyped_data();
         call.w = w.untyped_data();
         call.sizes = expert_sizes.typed_data();
         call.rows = row_src;
@@ -1351,8 +1254,8 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
         call.k = d.k;
         call.groups = d.groups;
         call.x_rows = d.x_rows;
-        call.scratch = static_cast<uint8_t*>(scratch->untyped_data()) + act_bytes;
-        call.scratch_bytes = scratch->size_bytes() - act_bytes;
+        call.scratch = scratch->untyped_data();
+        call.scratch_bytes = scratch->size_bytes();
         bool ran = false;
         const cudaError_t err = GroupGemmSm90(call, &ran);
         if (err != cudaSuccess)
@@ -1363,8 +1266,8 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
     }
 #endif
     const cudaError_t err = LaunchGroupGemm<DT>(
-        stream, xin, w.untyped_data(), expert_sizes.typed_data(), out->untyped_data(), d,
-        row_src, topk, tile_m == 256 ? 128 : tile_m, ain);
+        stream, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(),
+        out->untyped_data(), d, row_src, topk, tile_m == 256 ? 128 : tile_m);
     if (err != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_moe: group_gemm launch failed: ") +
                                   cudaGetErrorString(err));
@@ -1384,8 +1287,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCuda, GroupGemmCuda,
                                   .Attr<bool>("gather")
                                   .Attr<int64_t>("topk")
                                   .Attr<int64_t>("tile_m")
-                                  .Attr<int64_t>("act")
-                                  .Attr<bool>("act_gated")
                                   .Ret<ffi::AnyBuffer>()   // out
                                   .Ret<ffi::AnyBuffer>(),  // scratch (u8)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -153,25 +153,6 @@ def tile_m(value) -> int | None:
     return v
 
 
-def group_gemm_act_args(h, w, expert_sizes, name: str, gated: bool) -> int:
-    """group_gemm_act: h (M, 2K) gated or (M, K), w (E, N, K); the activation's code."""
-    code = activation(name)
-    rank(h, "h", 2)
-    rank(w, "w", 3)
-    rank(expert_sizes, "expert_sizes", 1)
-    float_dtype(h, "h")
-    same_dtype(h, "h", w, "w")
-    int_dtype(expert_sizes, "expert_sizes")
-    want = 2 * w.shape[2] if gated else w.shape[2]
-    if h.shape[1] != want:
-        form = "(M, 2K) for a gated activation" if gated else "(M, K)"
-        raise ValueError(f"h must be {form} with K={w.shape[2]} from w {w.shape}, got {h.shape}")
-    if expert_sizes.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
-    return code
-
-
 def activation_args(h, name: str, gated: bool = True) -> int:
     code = activation(name)
     if jnp.ndim(h) < 1:

@@ -22,7 +22,6 @@ __all__ = [
     "moe_expand_input",
     "group_gemm",
     "group_gemm_gather",
-    "group_gemm_act",
     "gated_activation",
     "activation",
     "silu_and_mul",
@@ -111,28 +110,24 @@ def moe_expand_input(x, dst_to_src, topk: int):
     return call(x, dst_to_src.astype(jnp.int32), topk=np.int64(k))
 
 
-def _group_gemm_call(x, w, expert_sizes, rows, topk, tile_m, m, act=-1, act_gated=False):
+def _group_gemm_call(x, w, expert_sizes, rows, topk, tile_m, m):
     experts, n, k = w.shape
     tile = tuning.group_gemm_tile_m(m, experts, n, k, x.dtype, tile_m)
     gather = rows is not None
-    # The kernels' workspace is a second output: an XLA buffer keeps a fixed
-    # address in a recorded CUDA graph, where memory from the FFI scratch
-    # allocator would be freed when the handler returns. With an activation
-    # (act >= 0) it starts with room for the activated input (used where the
-    # activation is not fused into the kernel's loads); then the sm90
-    # kernel's group arrays, CUTLASS workspace and (with a gather) expanded
-    # rows, where that kernel will run.
-    scratch = (_ext.group_gemm_act_scratch_bytes(m, k, jnp.dtype(x.dtype).itemsize)
-               if act >= 0 else 0)
-    if tile == tuning.SM90_TILE and m > 0 and experts > 0 and tuning.sm90_usable(n, k, x.dtype):
-        scratch += _ext.group_gemm_sm90_scratch_bytes(m, k, experts, gather)
+    # The sm90 kernel's device-side group arrays, CUTLASS workspace and (with
+    # a gather) expanded rows live in a second output: an XLA buffer keeps a
+    # fixed address in a recorded CUDA graph, where memory from the FFI
+    # scratch allocator would be freed when the handler returns. Empty
+    # wherever that kernel will not run.
+    scratch = (_ext.group_gemm_sm90_scratch_bytes(m, k, experts, gather)
+               if tile == tuning.SM90_TILE and m > 0 and experts > 0
+               and tuning.sm90_usable(n, k, x.dtype) else 0)
     call = jax.ffi.ffi_call(
         "jax_moe_group_gemm", (_sds((m, n), x.dtype), _sds((scratch,), jnp.uint8)),
         vmap_method="sequential")
     rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
     out, _ = call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
-                  topk=np.int64(topk), tile_m=np.int64(tile), act=np.int64(act),
-                  act_gated=bool(act_gated))
+                  topk=np.int64(topk), tile_m=np.int64(tile))
     return out
 
 
@@ -159,19 +154,6 @@ def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int 
     k = _checks.expand_args(x, dst_to_src, topk)
     _checks.group_gemm_args(x, w, expert_sizes)
     return _group_gemm_call(x, w, expert_sizes, dst_to_src, k, tile_m, dst_to_src.shape[0])
-
-
-def group_gemm_act(h, w, expert_sizes, activation: str = "silu", *, gated: bool = True,
-                   tile_m: int | None = None):
-    """Steps 5 and 6 in one call: group_gemm(gated_activation(h, activation),
-    w, expert_sizes), or with gated=False group_gemm(activation(h, ...)).
-    h (M, 2K) (gated) or (M, K), w (E, N, K) -> (M, N); the same bits as the
-    two ops. On CUDA the decode kernel (tile_m 8, and 16 where that kernel
-    runs) applies SiLU-and-mul as it loads h, so the activated rows are never
-    written; every other case runs the activation first, into the call's
-    scratch output."""
-    code = _checks.group_gemm_act_args(h, w, expert_sizes, activation, gated)
-    return _group_gemm_call(h, w, expert_sizes, None, 1, tile_m, h.shape[0], code, gated)
 
 
 def _activation_call(h, name: str, gated: bool):

@@ -362,7 +362,8 @@ def _local_experts(impl, x, weights, local_ids, w13, w2, plan: _Plan):
     # past them. Shorter buffers for the GEMMs when E_loc < k.
     rows = x.shape[0] * min(k, e_loc)
     h = impl.group_gemm_gather(x, w13, sizes, dst_to_src[:rows], k)  # steps 3 + 4
-    y = impl.group_gemm_act(h, w2, sizes, plan.activation)  # steps 5 + 6
+    a = impl.gated_activation(h, plan.activation)
+    y = impl.group_gemm(a, w2, sizes)
     return impl.moe_combine(y, weights, src_to_dst)
 
 

@@ -105,7 +105,8 @@ def _layer(impl, st: _Static, a: dict):
         routed_scaling_factor=st.routed_scaling_factor)
     src_to_dst, dst_to_src, sizes = impl.moe_compute_token_index(ids, experts)
     h = impl.group_gemm_gather(x, w13, sizes, dst_to_src, st.topk)  # steps 3 + 4
-    y = impl.group_gemm_act(h, a["w2"], sizes, st.activation, gated=st.is_gated)  # steps 5 + 6
+    act = impl.gated_activation(h, st.activation) if st.is_gated else impl.activation(h, st.activation)
+    y = impl.group_gemm(act, a["w2"], sizes)
     out = impl.moe_combine(y, weights, src_to_dst)
 
     extra = None

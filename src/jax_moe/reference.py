@@ -19,7 +19,6 @@ __all__ = [
     "moe_expand_input",
     "group_gemm",
     "group_gemm_gather",
-    "group_gemm_act",
     "gated_activation",
     "activation",
     "silu_and_mul",
@@ -148,17 +147,6 @@ def gated_activation(h, activation: str = "silu"):
 def activation(h, activation: str = "silu"):
     _checks.activation_args(h, activation, gated=False)
     return _act(h.astype(jnp.float32), activation).astype(h.dtype)
-
-
-_plain_activation = activation
-
-
-def group_gemm_act(h, w, expert_sizes, activation: str = "silu", *, gated: bool = True,
-                   tile_m: int | None = None):
-    """Steps 5 and 6: group_gemm of the activated h."""
-    _checks.group_gemm_act_args(h, w, expert_sizes, activation, gated)
-    a = gated_activation(h, activation) if gated else _plain_activation(h, activation)
-    return group_gemm(a, w, expert_sizes, tile_m=tile_m)
 
 
 def silu_and_mul(h):
