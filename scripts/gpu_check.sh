@@ -41,7 +41,7 @@ fi
 pids=()
 if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend for GPU-vs-CPU tests)
   (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda timeout "${TEST_SECONDS:-0}" \
-     python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-.} \
+     python3 -m pytest -q -n 8 -p no:cacheprovider --durations=15 ${TESTS:-.} \
      > "$OUT/pytest_gpu.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_gpu.log") &
   pids+=($!)
 fi
