@@ -9,8 +9,9 @@
 # SANITIZE_FILES (test files of `sanitize`, default every file with `sanitize`
 # marks), SANITIZE_TOOLS (default "memcheck"; e.g. "memcheck racecheck"),
 # SANITIZE_K (a pytest -k expression narrowing the sanitize tests),
-# TEST_SECONDS (stops the GPU pytest run after that long, default never: a
-# device call cut off by its own limit brings back no summary).
+# TEST_SECONDS (interrupts the GPU pytest run after that long, default never:
+# a device call cut off by its own limit brings back no summary; SIGINT lets
+# pytest, with xdist too, print its counts, failures and slowest tests).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -40,7 +41,7 @@ fi
 
 pids=()
 if has test; then  # the whole suite, CUDA first (conftest adds the cpu backend for GPU-vs-CPU tests)
-  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda timeout "${TEST_SECONDS:-0}" \
+  (cd tests && PYTHONPATH=$SITE JAX_PLATFORMS=cuda timeout -s INT -k 30 "${TEST_SECONDS:-0}" \
      python3 -m pytest -q -n 8 -p no:cacheprovider --durations=15 ${TESTS:-.} \
      > "$OUT/pytest_gpu.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_gpu.log") &
   pids+=($!)
