@@ -156,7 +156,7 @@ Shipped g_ship;
 
 void RunCombine(const Problem& p) {  // the combine kernel alone (on the last partials)
   DecodeCombineKernel<ffi::DataType::BF16, kD>
-      <<<(p.batch * kHq + kCombineWarps - 1) / kCombineWarps, kCombineThreads>>>(
+      <<<CeilDiv(p.batch * kHq, kCombineWarps), kCombineThreads>>>(
           g_ship.po, g_ship.ps, p.lengths, kHq, p.batch * kHq, p.max_pages * p.page, Splits(p),
           p.split, g_ship.out);
 }
