@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace jax_moe {
@@ -124,14 +125,30 @@ struct Variant {
 using namespace jax_moe;
 using B = __nv_bfloat16;
 
-int main() {
-  const Variant variants[] = {
+// argv[1] (optional): run only the cases whose name contains it; argv[2]
+// "tma": the TMA kernel's shapes (consumers x stages x boxes) instead of the
+// decode forms.
+int main(int argc, char** argv) {
+  const char* only = argc > 1 ? argv[1] : "";
+  const bool tma_sweep = argc > 2 && std::string(argv[2]) == "tma";
+  const Variant forms[] = {
       {"shipped tile 8", LaunchDecode<Form::kShipped>},
       {"shipped tile 16", LaunchDecode<Form::kShipped16>},
       {"block per tile", LaunchDecode<Form::kBlock>},
       {"persistent", LaunchDecode<Form::kPersistent>},
       {"tma forced", LaunchTmaForced<kTmaConsumers, kTmaStages, kTmaBoxes>},
   };
+  const Variant tma_shapes[] = {
+      {"shipped tile 16", LaunchDecode<Form::kShipped16>},
+      {"tma 8x3x1", LaunchTmaForced<8, 3, 1>},  {"tma 8x4x1", LaunchTmaForced<8, 4, 1>},
+      {"tma 8x5x1", LaunchTmaForced<8, 5, 1>},  {"tma 8x6x1", LaunchTmaForced<8, 6, 1>},
+      {"tma 8x2x2", LaunchTmaForced<8, 2, 2>},  {"tma 8x3x2", LaunchTmaForced<8, 3, 2>},
+      {"tma 4x6x1", LaunchTmaForced<4, 6, 1>},  {"tma 4x8x1", LaunchTmaForced<4, 8, 1>},
+      {"tma 4x4x2", LaunchTmaForced<4, 4, 2>},  {"tma 16x3x1", LaunchTmaForced<16, 3, 1>},
+      {"tma 16x4x1", LaunchTmaForced<16, 4, 1>},
+  };
+  const Variant* variants = tma_sweep ? tma_shapes : forms;
+  const int nvar = tma_sweep ? sizeof(tma_shapes) / sizeof(Variant) : sizeof(forms) / sizeof(Variant);
   const Case cases[] = {
       {"q235 T16 up", 128, 3072, 4096, 16, 8},  {"q235 T16 dn", 128, 4096, 1536, 16, 8},
       {"q235 T128 up", 128, 3072, 4096, 128, 8}, {"q235 T128 dn", 128, 4096, 1536, 128, 8},
@@ -146,13 +163,13 @@ int main() {
       {"mix T16 up", 8, 28672, 4096, 16, 2},     {"mix T16 dn", 8, 4096, 14336, 16, 2},
       {"odd N K", 8, 200, 1000, 16, 2},
   };
-  const int nvar = sizeof(variants) / sizeof(variants[0]);
   const int kRot = 4, kCalls = 20, kReps = 7;
   unsigned* sink;
   CK(cudaMalloc(&sink, 4));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   for (const Case& cs : cases) {
+    if (std::string(cs.name).find(only) == std::string::npos) continue;
     const int64_t wn = (int64_t)cs.E * cs.N * cs.K;
     const int64_t m = (int64_t)cs.T * cs.topk;
     uint16_t *w, *x, *out;

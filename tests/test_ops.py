@@ -503,8 +503,8 @@ def test_group_gemm_gather_decode_tiles(rng, tile_m):
 
 
 # tile_m = 16 on the GPU (compute capability 9.0+, bf16/f16, K % 8 == 0) runs
-# the TMA decode kernel when a launch has at least two resident grids' worth
-# of 16 x 128 tiles (3 blocks per SM: 792 on the H200); below, and past 1024
+# the TMA decode kernel when a launch has at least 6 tiles of 16 x 128 per SM
+# (792 on the H200's 132 SMs); below, and past 1024
 # experts, the decode kernel (8) runs. These have over 1,100 tiles, with N off
 # the 128 columns, K off the 64-element box (K = 24: one partial box; 136: a
 # last box of 8, half an mma k step), 1-16 rows per tile, and E = 1100 for

@@ -268,6 +268,15 @@ inline int DeviceMajor() {
   });
 }
 
+// The current device's SM count, asked once per device; 0 when the query fails.
+inline int DeviceSms() {
+  return OncePerDevice([](int dev) {
+    int sms = 0;
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? sms
+                                                                                            : 0;
+  });
+}
+
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
 // Grid size capped at a fixed number of blocks; kernels stride over the rest.

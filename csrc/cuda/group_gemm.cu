@@ -33,8 +33,9 @@
 //    warp streams 128 weight rows x 64 k per stage with the tensor memory
 //    accelerator, eight consumer warps multiply them by up to 16 token rows.
 //    4.2-4.35 TB/s of weights on the H200 where the skinny kernel reached
-//    3.4-4.1 (benchmarks/RESULTS.md, sixth session). Launches smaller than
-//    two of its resident grids, and everything it cannot take, run tile 8.
+//    3.4-4.1 (benchmarks/RESULTS.md, sixth session). Launches of fewer than
+//    6 tiles per SM (1.5 from K = 8192), and everything it cannot take, run
+//    tile 8.
 //  * Fused gather (step 3): with `gather`, row r of the GEMM input is
 //    x[rows[r] / topk] (zero where rows[r] is outside [0, x_rows * topk)),
 //    read in the A-load, so the expanded copy of x is never written.
@@ -1093,36 +1094,36 @@ inline TensorMapEncodeFn TensorMapEncode() {
   return fn;
 }
 
-// From this K on, the TMA kernel takes launches of at least half a resident
-// grid of tiles: Mixtral's down projection (K = 14336) at 16 tokens, 320
-// tiles (upper bound) on 396 resident blocks, ran 238.7 us against 260.5 for
-// tile 8 on the H200 (run 9.2); at K <= 7168 and T = 1 tile 8 was as fast or
-// faster (DeepSeek-V3 gate/up 122.8 vs 123.2 us, down 65.3 vs 72.7).
+// From this K on, the TMA kernel takes launches of at least 1.5 tiles per
+// SM: Mixtral's down projection (K = 14336) at 16 tokens, 320 tiles (upper
+// bound) on 132 SMs, ran 238.7 us against 260.5 for tile 8 on the H200 (run
+// 9.2); at K <= 7168 and T = 1 tile 8 was as fast or faster (DeepSeek-V3
+// gate/up 122.8 vs 123.2 us, down 65.3 vs 72.7).
 constexpr int64_t kTmaLongK = 8192;
 
 // The TMA kernel as one resident grid, when the launch has at least
-// `min_waves` resident grids' worth of tiles (upper bound; half a grid from
-// K = kTmaLongK). *ran is false
-// (nothing launched) when it has fewer, or when the driver cannot encode the
-// weight map or the occupancy query fails. Needs a device of compute
-// capability 9.0+, w 16-byte aligned, K % 8 == 0 (the caller's vec_in), E*N
-// and K < 2^31 - 256 (int32 coordinates), E <= kPersistMaxE, M < 2^31.
+// `min_per_sm` tiles per SM (upper bound; 1.5 from K = kTmaLongK; 0: any
+// launch). *ran is false (nothing launched) when it has fewer, or when the
+// driver cannot encode the weight map or the occupancy query fails. Needs a
+// device of compute capability 9.0+, w 16-byte aligned, K % 8 == 0 (the
+// caller's vec_in), E*N and K < 2^31 - 256 (int32 coordinates), E <=
+// kPersistMaxE, M < 2^31.
 template <typename T, int Consumers, int Stages, int KB>
 cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
                       const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups,
-                      int64_t min_waves, bool* ran) {
+                      int64_t min_per_sm, bool* ran) {
   using C = TmaCfg<Consumers, Stages, KB>;
   constexpr auto kernel = GroupGemmTmaKernel<T, Consumers, Stages, KB>;
   *ran = false;
   const cudaError_t attr = EnsureDynamicSmem<kernel>(C::kSmem);  // before the occupancy query
   if (attr != cudaSuccess) return attr;
   const int resident = ResidentBlocks<kernel>(C::kThreads, C::kSmem);
+  const int64_t sms = DeviceSms();
   Schedule(a, groups, C::kRows, C::kCols);
-  // Long tiles amortise the kernel's start with fewer of them: half a
-  // resident grid suffices from K = kTmaLongK.
-  const bool enough = a.total_blocks >= min_waves * resident ||
-                      (a.k >= kTmaLongK && 2 * a.total_blocks >= resident);
-  if (resident <= 0 || !enough) return cudaSuccess;
+  // Long tiles amortise the kernel's start with fewer of them.
+  const bool enough = a.total_blocks >= min_per_sm * sms ||
+                      (a.k >= kTmaLongK && 2 * a.total_blocks >= 3 * sms);
+  if (resident <= 0 || sms <= 0 || !enough) return cudaSuccess;
   const TensorMapEncodeFn encode = TensorMapEncode();
   if (encode == nullptr) return cudaSuccess;
   // w as a 2-D tensor of E*N rows of K elements; boxes of kCols rows x 64 k,
@@ -1142,14 +1143,18 @@ cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
   return cudaGetLastError();
 }
 
-// The TMA kernel's shape (H200, scripts/decode_gemm_bench.cu, 2026-11-30: 128
-// columns, 3 stages of one 64-k box, 3 blocks per SM; the other shapes tried,
-// 64 or 256 columns, 3-5 stages of one or two boxes, were within 3% of it at
-// 16-128 tokens), and the launches it takes: at least two resident grids'
-// worth of tiles (upper bound). Below, at one token, the block-per-tile
-// skinny kernel was faster (Qwen3-30B gate/up 17.8 vs 29.9 us).
-constexpr int kTmaConsumers = 8, kTmaStages = 3, kTmaBoxes = 1;
-constexpr int64_t kTmaWaves = 2;
+// The TMA kernel's shape: 128 columns, 4 stages of one 64-k box, 2 blocks
+// per SM. H200, scripts/decode_gemm_bench.cu at 16 tokens (run 10.2,
+// 2026-11-30), against 3 stages (3 blocks per SM): Mixtral gate/up 445.4 vs
+// 459.2 us, down 228.4 vs 240.9, Qwen3-30B gate/up 129.5 vs 133.2; Qwen3-235B
+// and DeepSeek-V3 within 1% either way. 256 columns (16 consumer warps) was
+// as fast for Mixtral and up to 1.6% slower elsewhere; 5-6 stages, two boxes
+// a stage and 64 columns no faster. The launches it takes: at least 6 tiles
+// per SM (upper bound; two resident grids of the 3-stage shape). Below, at
+// one token, the block-per-tile skinny kernel was faster (Qwen3-30B gate/up
+// 17.8 vs 29.9 us).
+constexpr int kTmaConsumers = 8, kTmaStages = 4, kTmaBoxes = 1;
+constexpr int64_t kTmaMinPerSm = 6;
 
 // Launches the kernel for one dtype and tile on `stream`; nothing else (no
 // sync, no allocation). m > 0 and n > 0. tile_m is 8, 16, 32, 64 or 128 (256
@@ -1183,16 +1188,15 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
     if ((tile_m == 8 || tile_m == 16) && !a.vec_in) tile_m = 32;
     if (tile_m == 16) {
       // The TMA kernel: compute capability 9.0+, at most kPersistMaxE experts,
-      // coordinates in int32, and enough tiles to fill its resident grid
-      // kTmaWaves times (fewer, and the block-per-tile skinny kernel balances
-      // the SMs better). Otherwise tile 8.
+      // coordinates in int32, and enough tiles (fewer, and the block-per-tile
+      // skinny kernel balances the SMs better). Otherwise tile 8.
       // TMA coordinates are int32: rows up to E*N + 127, k up to K + 63.
       constexpr int64_t kCoordMax = (int64_t{1} << 31) - 256;
       if (DeviceMajor() >= 9 && PersistScheduleFits(d.groups, d.m) &&
           d.groups * d.n < kCoordMax && d.k < kCoordMax) {
         bool ran = false;
         const cudaError_t err = LaunchTma<T, kTmaConsumers, kTmaStages, kTmaBoxes>(
-            stream, xp, wp, sizes, op, a, d.groups, kTmaWaves, &ran);
+            stream, xp, wp, sizes, op, a, d.groups, kTmaMinPerSm, &ran);
         if (err != cudaSuccess || ran) return err;
       }
       tile_m = 8;

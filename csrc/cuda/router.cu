@@ -53,6 +53,7 @@ __device__ __forceinline__ int WarpArgMax(const int32_t* keys, int n, int lane) 
 
 struct RouteParams {
   int experts, k, groups, topk_group;
+  int warp_ints;  // one warp's shared memory: choice keys, group keys, picks
   int64_t tokens_per_batch;  // logits rows per bias row
   bool softmax, has_bias, renormalize;
   float scale;
@@ -71,8 +72,7 @@ __global__ void RouteKernel(const T* __restrict__ logits, const float* __restric
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int experts = p.experts, k = p.k, groups = p.groups;
   const int per = experts / groups;
-  // The same layout and size as TopkSoftmaxCuda's warp_bytes.
-  int32_t* key = smem + static_cast<int64_t>(warp) * (experts + (groups > 1 ? groups : 0) + k);
+  int32_t* key = smem + static_cast<int64_t>(warp) * p.warp_ints;
   int32_t* group_key = key + experts;
   const bool on_logits = !p.has_bias && groups == 1;  // choose on the logits themselves
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < rows;
@@ -193,15 +193,17 @@ ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buff
   const int64_t experts = d.experts, rows = d.rows, tokens = d.tokens, k = d.k;
   if (experts > kMaxExperts) return InvalidArg("route: at most 3072 experts on CUDA");
   // experts + groups + k <= 9216 ints: 36 KiB a warp, so 1 to 4 warps a block.
-  const int64_t warp_bytes = static_cast<int64_t>(sizeof(int32_t)) *
-                             (experts + (num_expert_group > 1 ? num_expert_group : 0) + k);
+  // Computed here only: the kernel strides by p.warp_ints.
+  const int64_t warp_ints = experts + (num_expert_group > 1 ? num_expert_group : 0) + k;
+  const int64_t warp_bytes = static_cast<int64_t>(sizeof(int32_t)) * warp_ints;
   const int warps = static_cast<int>(std::min<int64_t>(kMaxWarpsPerBlock, kSmemBudget / warp_bytes));
   if (rows == 0) return ffi::Error::Success();
   const size_t smem = static_cast<size_t>(warps * warp_bytes);
   const unsigned grid = GridFor(rows, warps);
   const RouteParams p{static_cast<int>(experts), static_cast<int>(k),
                       static_cast<int>(num_expert_group), static_cast<int>(topk_group),
-                      tokens, scoring == 0, has_bias, renormalize, routed_scaling_factor};
+                      static_cast<int>(warp_ints), tokens,
+                      scoring == 0, has_bias, renormalize, routed_scaling_factor};
   return DispatchFloat(logits.element_type(), "router_logits", [&]<ffi::DataType DT>() {
     using T = typename DevScalar<DT>::T;
     auto launch = [&](auto load) {

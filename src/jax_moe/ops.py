@@ -139,7 +139,7 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     tile_m (CUDA only; None = the tuning table's or the heuristic's choice, see
     jax_moe.tuning): rows per tile, 8 (the decode kernel), 16 (the TMA decode
     kernel on compute capability 9.0+ GPUs for bf16/f16 with K a multiple of
-    8 and launches of at least two resident grids' worth of tiles, else 8),
+    8 and launches of at least 6 tiles per SM (1.5 from K = 8192), else 8),
     32, 64 or 128 (the mma.sync tile kernel), or 256: the CUTLASS sm90 kernel
     on compute capability 9.0 GPUs for bf16/f16 with N and K multiples of 8,
     else 128."""

@@ -10,8 +10,8 @@ number of rows per expert (``default_tile_m``).
 tile_m = 16 is the TMA decode kernel (csrc/cuda/group_gemm.cu): the decode
 kernel's job, up to 16 rows per tile, with the weights streamed by the tensor
 memory accelerator. It runs on GPUs of compute capability 9.0 or newer for
-bf16/f16 with K a multiple of 8, when the launch has at least two resident
-grids' worth of tiles; otherwise tile_m = 16 runs the decode kernel (8). The
+bf16/f16 with K a multiple of 8, when the launch has at least 6 tiles per SM
+(1.5 from K = 8192); otherwise tile_m = 16 runs the decode kernel (8). The
 rule picks it wherever it would pick 8 and it is usable
 (``tma_decode_usable``), and a table answer of 8 yields to it there (it is
 the 8 kernel at the launches too small for it; tables written before it

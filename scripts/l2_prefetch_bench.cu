@@ -1,0 +1,159 @@
+// Experiment: at decode sizes a layer's two grouped GEMMs read their weights
+// well below the HBM rate (launch ramp, few bytes per SM). Does asking L2 for
+// the down projection's active experts (w2) before the gate/up GEMM runs make
+// the pair faster? The pair runs as the layer runs it (shipped decode
+// dispatch), alone and after a prefetch kernel of each flavour; the routing
+// rotates over kRot random draws so no call finds the previous one's experts
+// in L2 on purpose. Not part of the build; needs a GPU (sm_90 for the bulk
+// prefetch). From the repository root:
+//   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
+//     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
+//     scripts/l2_prefetch_bench.cu -o /tmp/l2_prefetch_bench && /tmp/l2_prefetch_bench
+#include "../csrc/cuda/group_gemm.cu"
+#include "bench_util.cuh"
+
+#include <cstdio>
+#include <random>
+#include <vector>
+
+namespace jax_moe {
+namespace {
+
+constexpr int64_t kChunk = 4096;  // bytes per prefetch work item
+
+// Mode 0: prefetch.global.L2::evict_last per 128-byte line; 1: the same with
+// normal priority; 2: one cp.async.bulk.prefetch.L2 per chunk.
+template <int Mode>
+__global__ void PrefetchActive(const char* __restrict__ w, int64_t expert_bytes,
+                               const int32_t* __restrict__ sizes, int experts) {
+  const int64_t per = expert_bytes / kChunk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t id = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       id < experts * per; id += stride) {
+    const int64_t e = id / per;
+    if (sizes[e] <= 0) continue;
+    const char* p = w + e * expert_bytes + (id - e * per) * kChunk;
+    if constexpr (Mode == 2) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(int(kChunk))
+                   : "memory");
+    } else {
+#pragma unroll 4
+      for (int q = 0; q < kChunk; q += 128) {
+        if constexpr (Mode == 0)
+          asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + q));
+        else
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + q));
+      }
+    }
+  }
+}
+
+struct Layer {
+  const char* name;
+  int E, H, I, T, topk;
+};
+
+void Gemm(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out, int64_t m,
+          int64_t n, int64_t k, int64_t groups, int tile) {
+  GemmDims d{};
+  d.m = m;
+  d.n = n;
+  d.k = k;
+  d.groups = groups;
+  d.x_rows = m;
+  LaunchGroupGemm<ffi::DataType::BF16>(0, x, w, sizes, out, d, nullptr, 1, tile);
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+using namespace jax_moe;
+
+int main() {
+  const Layer layers[] = {
+      {"q30 T1", 128, 2048, 768, 1, 8},   {"q30 T4", 128, 2048, 768, 4, 8},
+      {"q30 T16", 128, 2048, 768, 16, 8}, {"q235 T1", 128, 4096, 1536, 1, 8},
+      {"ds T1", 256, 7168, 2048, 1, 8},
+  };
+  const int kRot = 16, kCalls = 20, kReps = 9;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  int l2 = 0;
+  CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+  printf("SMs %d, L2 %.1f MB\n", sms, l2 / 1e6);
+  for (const Layer& L : layers) {
+    const int64_t m = static_cast<int64_t>(L.T) * L.topk;
+    const int64_t n1 = 2 * L.I, k1 = L.H, n2 = L.H, k2 = L.I;
+    const int64_t w1n = static_cast<int64_t>(L.E) * n1 * k1, w2n = static_cast<int64_t>(L.E) * n2 * k2;
+    uint16_t *w1, *w2, *x, *h, *act, *y;
+    int32_t* sizes;
+    CK(cudaMalloc(&w1, w1n * 2));
+    CK(cudaMalloc(&w2, w2n * 2));
+    CK(cudaMalloc(&x, m * k1 * 2));
+    CK(cudaMalloc(&h, m * n1 * 2));
+    CK(cudaMalloc(&act, m * k2 * 2));
+    CK(cudaMalloc(&y, m * n2 * 2));
+    CK(cudaMalloc(&sizes, kRot * L.E * 4));
+    CK(cudaMemset(w1, 0x3c, w1n * 2));
+    CK(cudaMemset(w2, 0x3c, w2n * 2));
+    CK(cudaMemset(x, 0x3c, m * k1 * 2));
+    CK(cudaMemset(act, 0x3c, m * k2 * 2));
+    std::vector<int32_t> hs(kRot * L.E, 0);
+    double active = 0;
+    std::mt19937 rr(7);
+    for (int r = 0; r < kRot; ++r) {
+      for (int t = 0; t < L.T; ++t) {
+        std::vector<int> ids(L.E);
+        for (int i = 0; i < L.E; ++i) ids[i] = i;
+        for (int j = 0; j < L.topk; ++j) {
+          std::uniform_int_distribution<int> D(j, L.E - 1);
+          std::swap(ids[j], ids[D(rr)]);
+          hs[r * L.E + ids[j]]++;
+        }
+      }
+      for (int i = 0; i < L.E; ++i) active += hs[r * L.E + i] > 0;
+    }
+    active /= kRot;
+    CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+    const int64_t e1 = n1 * k1 * 2, e2 = n2 * k2 * 2;
+    const double mb1 = active * e1 / 1e6, mb2 = active * e2 / 1e6;
+    printf("%s: active %.1f, w1 %.1f MB, w2 %.1f MB\n", L.name, active, mb1, mb2);
+    const int tile = L.T == 1 ? 8 : 16;  // what the tuning rule picks
+    auto g1 = [&](int c) { Gemm(x, w1, sizes + (c % kRot) * L.E, h, m, n1, k1, L.E, tile); };
+    auto g2 = [&](int c) { Gemm(act, w2, sizes + (c % kRot) * L.E, y, m, n2, k2, L.E, tile); };
+    auto pf = [&](int mode, const uint16_t* w, int64_t eb, int c) {
+      const char* p = reinterpret_cast<const char*>(w);
+      const int32_t* s = sizes + (c % kRot) * L.E;
+      if (mode == 0) PrefetchActive<0><<<sms, 256>>>(p, eb, s, L.E);
+      if (mode == 1) PrefetchActive<1><<<sms, 256>>>(p, eb, s, L.E);
+      if (mode == 2) PrefetchActive<2><<<sms, 256>>>(p, eb, s, L.E);
+    };
+    auto report = [&](const char* what, double us, double mb) {
+      printf("  %-34s %7.1f us  %.2f TB/s\n", what, us, mb / us);
+    };
+    auto run = [&](auto&& fn) { return MedianLaunchMicros(fn, kCalls, kReps); };
+    report("gate/up alone", run([&](int c) { g1(c); }), mb1);
+    report("down alone", run([&](int c) { g2(c); }), mb2);
+    report("pair", run([&](int c) { g1(c); g2(c); }), mb1 + mb2);
+    const char* names[3] = {"evict_last", "normal", "bulk"};
+    for (int mode = 0; mode < 3; ++mode) {
+      char buf[96];
+      snprintf(buf, sizeof buf, "prefetch w2 (%s) alone", names[mode]);
+      report(buf, run([&](int c) { pf(mode, w2, e2, c); }), mb2);
+      snprintf(buf, sizeof buf, "prefetch w2 (%s) + pair", names[mode]);
+      report(buf, run([&](int c) { pf(mode, w2, e2, c); g1(c); g2(c); }), mb1 + mb2);
+      snprintf(buf, sizeof buf, "prefetch w1+w2 (%s) + pair", names[mode]);
+      report(buf, run([&](int c) { pf(mode, w1, e1, c); pf(mode, w2, e2, c); g1(c); g2(c); }),
+             mb1 + mb2);
+    }
+    CK(cudaGetLastError());
+    CK(cudaFree(w1));
+    CK(cudaFree(w2));
+    CK(cudaFree(x));
+    CK(cudaFree(h));
+    CK(cudaFree(act));
+    CK(cudaFree(y));
+    CK(cudaFree(sizes));
+  }
+  return 0;
+}
