@@ -247,11 +247,6 @@ __global__ void __launch_bounds__(kSetupThreads)
   if (threadIdx.x == 0) *rows_total = carry;
 }
 
-// Vectors a thread copies per trip of the row loop: all loads are issued
-// before the stores, so each thread keeps kPrepUnroll 16-byte loads in flight
-// (one per trip left a full SM with ~32 KB in flight, short of HBM latency).
-constexpr int kPrepUnroll = 4;
-
 // Grid-stride over rows, 16-byte vectors along the row: with a gather, rows
 // [0, rows_total) of the expanded input become x[rows[r] / topk] (zero for an
 // invalid entry); rows [rows_total, m) of out become zero. kv, nv: vectors
@@ -268,19 +263,7 @@ __global__ void __launch_bounds__(kPrepThreads)
       uint4* to = expand + r * kv;
       if (src >= 0) {
         const uint4* from = x + src * kv;
-        for (int64_t c0 = threadIdx.x; c0 < kv; c0 += kPrepUnroll * kPrepThreads) {
-          uint4 v[kPrepUnroll];
-#pragma unroll
-          for (int u = 0; u < kPrepUnroll; ++u) {
-            const int64_t c = c0 + u * kPrepThreads;
-            if (c < kv) v[u] = from[c];
-          }
-#pragma unroll
-          for (int u = 0; u < kPrepUnroll; ++u) {
-            const int64_t c = c0 + u * kPrepThreads;
-            if (c < kv) to[c] = v[u];
-          }
-        }
+        for (int64_t c = threadIdx.x; c < kv; c += kPrepThreads) to[c] = from[c];
       } else {
         for (int64_t c = threadIdx.x; c < kv; c += kPrepThreads) to[c] = zero;
       }
