@@ -5,8 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
+#include <utility>
 #include <vector>
 
 #define CK(x)                                                               \
@@ -40,4 +43,29 @@ double MedianLaunchMicros(F&& fn, int calls, int reps) {
   CK(cudaEventDestroy(e1));
   std::sort(ts.begin(), ts.end());
   return ts[reps / 2];
+}
+
+// `rotations` random routings of `tokens` tokens, each to `topk` distinct
+// experts of `experts` (seed 7): expert_sizes laid out [rotation][expert],
+// and the mean number of experts a routing touches.
+inline std::vector<int32_t> RandomExpertSizes(int experts, int tokens, int topk, int rotations,
+                                              double* mean_active) {
+  std::vector<int32_t> sizes(static_cast<size_t>(rotations) * experts, 0);
+  std::mt19937 rng(7);
+  int64_t active = 0;
+  for (int r = 0; r < rotations; ++r) {
+    int32_t* s = sizes.data() + static_cast<size_t>(r) * experts;
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<int> ids(experts);
+      for (int i = 0; i < experts; ++i) ids[i] = i;
+      for (int j = 0; j < topk; ++j) {  // a partial Fisher-Yates shuffle
+        std::uniform_int_distribution<int> pick(j, experts - 1);
+        std::swap(ids[j], ids[pick(rng)]);
+        s[ids[j]]++;
+      }
+    }
+    for (int i = 0; i < experts; ++i) active += s[i] > 0;
+  }
+  *mean_active = static_cast<double>(active) / rotations;
+  return sizes;
 }

@@ -194,25 +194,9 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(w + o, hw.data() + (o / chunk % 7) * 1000,
                       std::min<int64_t>(chunk, wn - o) * 2, cudaMemcpyHostToDevice));
     }
-    std::vector<int32_t> hs(kRot * cs.E, 0);
-    std::vector<int> active(kRot, 0);
-    std::mt19937 rr(7);
-    for (int r = 0; r < kRot; ++r) {
-      for (int tkn = 0; tkn < cs.T; ++tkn) {
-        std::vector<int> ids(cs.E);
-        for (int i = 0; i < cs.E; ++i) ids[i] = i;
-        for (int j = 0; j < cs.topk; ++j) {
-          std::uniform_int_distribution<int> D(j, cs.E - 1);
-          std::swap(ids[j], ids[D(rr)]);
-          hs[r * cs.E + ids[j]]++;
-        }
-      }
-      for (int i = 0; i < cs.E; ++i) active[r] += hs[r * cs.E + i] > 0;
-    }
-    CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
     double act = 0;
-    for (int r = 0; r < kRot; ++r) act += active[r];
-    act /= kRot;
+    const std::vector<int32_t> hs = RandomExpertSizes(cs.E, cs.T, cs.topk, kRot, &act);
+    CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
     const double bytes = act * cs.N * cs.K * 2.0;
     // reference on rotation 0
     RefKernel<<<(m * cs.N + 255) / 256, 256>>>(x, w, sizes, cs.E, ref, m, cs.N, cs.K);

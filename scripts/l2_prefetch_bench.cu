@@ -13,7 +13,6 @@
 #include "bench_util.cuh"
 
 #include <cstdio>
-#include <random>
 #include <vector>
 
 namespace jax_moe {
@@ -98,22 +97,8 @@ int main() {
     CK(cudaMemset(w2, 0x3c, w2n * 2));
     CK(cudaMemset(x, 0x3c, m * k1 * 2));
     CK(cudaMemset(act, 0x3c, m * k2 * 2));
-    std::vector<int32_t> hs(kRot * L.E, 0);
     double active = 0;
-    std::mt19937 rr(7);
-    for (int r = 0; r < kRot; ++r) {
-      for (int t = 0; t < L.T; ++t) {
-        std::vector<int> ids(L.E);
-        for (int i = 0; i < L.E; ++i) ids[i] = i;
-        for (int j = 0; j < L.topk; ++j) {
-          std::uniform_int_distribution<int> D(j, L.E - 1);
-          std::swap(ids[j], ids[D(rr)]);
-          hs[r * L.E + ids[j]]++;
-        }
-      }
-      for (int i = 0; i < L.E; ++i) active += hs[r * L.E + i] > 0;
-    }
-    active /= kRot;
+    const std::vector<int32_t> hs = RandomExpertSizes(L.E, L.T, L.topk, kRot, &active);
     CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
     const int64_t e1 = n1 * k1 * 2, e2 = n2 * k2 * 2;
     const double mb1 = active * e1 / 1e6, mb2 = active * e2 / 1e6;
