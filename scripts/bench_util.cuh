@@ -22,17 +22,17 @@
   } while (0)
 
 // Median over `reps` repeats of the mean µs per call of `calls` calls of
-// fn(call index), timed with events on the default stream.
+// fn(call index), timed with events on `stream` (fn launches there).
 template <class F>
-double MedianLaunchMicros(F&& fn, int calls, int reps) {
+double MedianLaunchMicros(F&& fn, int calls, int reps, cudaStream_t stream = 0) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::vector<float> ts;
   for (int rep = 0; rep < reps; ++rep) {
-    CK(cudaEventRecord(e0));
+    CK(cudaEventRecord(e0, stream));
     for (int c = 0; c < calls; ++c) fn(c);
-    CK(cudaEventRecord(e1));
+    CK(cudaEventRecord(e1, stream));
     CK(cudaEventSynchronize(e1));
     float ms = 0.f;
     CK(cudaEventElapsedTime(&ms, e0, e1));

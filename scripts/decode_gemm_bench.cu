@@ -148,7 +148,8 @@ int main(int argc, char** argv) {
       {"tma 16x4x1", LaunchTmaForced<16, 4, 1>},
   };
   const Variant* variants = tma_sweep ? tma_shapes : forms;
-  const int nvar = tma_sweep ? sizeof(tma_shapes) / sizeof(Variant) : sizeof(forms) / sizeof(Variant);
+  const int nvar = static_cast<int>(tma_sweep ? sizeof(tma_shapes) / sizeof(Variant)
+                                              : sizeof(forms) / sizeof(Variant));
   const Case cases[] = {
       {"q235 T16 up", 128, 3072, 4096, 16, 8},  {"q235 T16 dn", 128, 4096, 1536, 16, 8},
       {"q235 T128 up", 128, 3072, 4096, 128, 8}, {"q235 T128 dn", 128, 4096, 1536, 128, 8},

@@ -83,7 +83,8 @@ int main() {
   for (const Layer& L : layers) {
     const int64_t m = static_cast<int64_t>(L.T) * L.topk;
     const int64_t n1 = 2 * L.I, k1 = L.H, n2 = L.H, k2 = L.I;
-    const int64_t w1n = static_cast<int64_t>(L.E) * n1 * k1, w2n = static_cast<int64_t>(L.E) * n2 * k2;
+    const int64_t w1n = static_cast<int64_t>(L.E) * n1 * k1;
+    const int64_t w2n = static_cast<int64_t>(L.E) * n2 * k2;
     uint16_t *w1, *w2, *x, *h, *act, *y;
     int32_t* sizes;
     CK(cudaMalloc(&w1, w1n * 2));

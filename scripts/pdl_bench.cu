@@ -1,0 +1,230 @@
+// Experiment (not run yet): how much of a decode layer's GEMM pair is launch
+// ramp that programmatic dependent launch (PDL, sm_90) could hide. At
+// Qwen3-30B-A3B T = 1 the gate/up and down GEMMs take 18.1 + 11.3 us alone
+// and 29.4 us back to back (run 10.1), where a plain read of their bytes
+// takes 22.6. With PDL the down GEMM is launched while the gate/up GEMM runs:
+// its blocks wait (griddepcontrol.wait) only where they first need the gate/up
+// GEMM to be done, so the launch, the tile schedule and optionally an L2
+// prefetch of the block's weights overlap the gate/up GEMM's tail.
+//
+// Variants, each timed over 20 pairs (median of 9 repeats), routings rotated
+// over 16 random draws, the down output checked bit for bit against the
+// plain pair:
+//   plain         the shipped launches, one after the other
+//   pdl-start     the down GEMM waits first thing
+//   pdl-schedule  it waits after its tile schedule
+//   pdl-prefetch  it also asks L2 for its weight slice before waiting
+// The gate/up GEMM triggers its dependents as it starts (a trigger only lets
+// them launch; their wait still waits for its whole grid and its writes).
+// The down GEMM reads a separate activation buffer, so the pair's bytes are
+// the layer's; the wait keeps the ordering a real layer would need.
+//
+// If PDL pays here, the next question is whether XLA's command buffers keep
+// the programmatic edge between two custom calls; within one custom call
+// (one handler launching both GEMMs) it is plain stream capture.
+// From the repository root:
+//   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
+//     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
+//     scripts/pdl_bench.cu -o /tmp/pdl_bench && /tmp/pdl_bench
+#include "../csrc/cuda/group_gemm.cu"
+#include "bench_util.cuh"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+namespace jax_moe {
+namespace {
+
+__device__ __forceinline__ void PdlTrigger() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+enum Wait { kNoPdl = 0, kAtStart = 1, kAfterSchedule = 2, kAfterPrefetch = 3 };
+
+// Asks L2 for rows [n0, n0 + 32) of expert `e`'s weights (the block's slice).
+__device__ __forceinline__ void PrefetchSlice(const uint16_t* w, int64_t e, int64_t n0, int64_t n,
+                                              int64_t k) {
+  const int64_t rows = Min64(kSBN, n - n0), lines_per_row = CeilDiv(k * 2, 128);
+  const char* base = reinterpret_cast<const char*>(w + (e * n + n0) * k);
+  for (int64_t i = threadIdx.x; i < rows * lines_per_row; i += kThreads) {
+    const int64_t r = i / lines_per_row, l = i % lines_per_row;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(base + r * k * 2 + l * 128));
+  }
+}
+
+// The shipped 8-row kernels with PDL hooks: `Trigger` (the first GEMM) lets
+// the next launch start; W says where the second GEMM waits. Blocks that only
+// zero the tail rows of `out` never wait: the first GEMM does not touch the
+// second's output (a library version would wait before any write).
+template <typename T, int W, bool Trigger>
+__global__ void __launch_bounds__(kThreads, 3)
+    SkinnyBlockPdl(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                   const int32_t* __restrict__ sizes, uint16_t* __restrict__ out, GemmArgs a) {
+  if (Trigger) PdlTrigger();
+  if (W == kAtStart) PdlWait();
+  ForEachTile<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    if (W == kAfterPrefetch) PrefetchSlice(w, tile.expert, n0, a.n, a.k);
+    if (W >= kAfterSchedule) PdlWait();
+    SkinnyTile<T, 2>(x, w, out, tile, a.src, n0, a.n, a.k);
+  });
+}
+
+template <typename T, int W, bool Trigger>
+__global__ void __launch_bounds__(kThreads, 4)
+    SkinnyPersistentPdl(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                        const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
+                        GemmArgs a) {
+  if (Trigger) PdlTrigger();
+  if (W == kAtStart) PdlWait();
+  ForEachTilePersistent<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    if (W == kAfterPrefetch) PrefetchSlice(w, tile.expert, n0, a.n, a.k);
+    if (W >= kAfterSchedule) PdlWait();
+    SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k);
+  });
+}
+
+// The shipped tile-8 dispatch (LaunchGroupGemm's case 8) with the PDL kernels;
+// `pdl` launches with programmatic stream serialisation.
+// A stream of its own: PDL is not for the legacy default stream.
+cudaStream_t Stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t t;
+    CK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
+    return t;
+  }();
+  return s;
+}
+
+template <int W, bool Trigger>
+void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out, int64_t m,
+             int64_t n, int64_t k, int64_t groups, bool pdl) {
+  using T = __nv_bfloat16;
+  GemmArgs a{};
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.src = RowSource{nullptr, 1, m};
+  a.vec_in = a.vec_out = true;
+  const unsigned grid = Schedule(a, groups, kSR, kSBN);
+  const int resident = ResidentBlocks<GroupGemmSkinnyPersistentKernel<T>>(kThreads);
+  const bool persistent =
+      resident > 0 && PersistScheduleFits(groups, m) &&
+      (a.total_blocks >= kPersistWaves * resident ||
+       SkinnyPersistentWins(a, groups, ResidentBlocks<GroupGemmSkinnyKernel<T>>(kThreads),
+                            resident));
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.gridDim = dim3(persistent ? static_cast<unsigned>(resident) : grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = Stream();
+  cfg.attrs = pdl ? &attr : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  if (persistent)
+    CK(cudaLaunchKernelEx(&cfg, SkinnyPersistentPdl<T, W, Trigger>, x, w, sizes, out, a));
+  else
+    CK(cudaLaunchKernelEx(&cfg, SkinnyBlockPdl<T, W, Trigger>, x, w, sizes, out, a));
+}
+
+struct Layer {
+  const char* name;
+  int E, H, I, T, topk;
+};
+
+}  // namespace
+}  // namespace jax_moe
+
+using namespace jax_moe;
+
+int main() {
+  const Layer layers[] = {
+      {"q30 T1", 128, 2048, 768, 1, 8}, {"q30 T4", 128, 2048, 768, 4, 8},
+      {"q235 T1", 128, 4096, 1536, 1, 8}, {"ds T1", 256, 7168, 2048, 1, 8},
+  };
+  const int kRot = 16, kCalls = 20, kReps = 9;
+  for (const Layer& L : layers) {
+    const int64_t m = static_cast<int64_t>(L.T) * L.topk;
+    const int64_t n1 = 2 * L.I, k1 = L.H, n2 = L.H, k2 = L.I;
+    const int64_t w1n = static_cast<int64_t>(L.E) * n1 * k1;
+    const int64_t w2n = static_cast<int64_t>(L.E) * n2 * k2;
+    uint16_t *w1, *w2, *x, *h, *act, *y;
+    int32_t* sizes;
+    CK(cudaMalloc(&w1, w1n * 2));
+    CK(cudaMalloc(&w2, w2n * 2));
+    CK(cudaMalloc(&x, m * k1 * 2));
+    CK(cudaMalloc(&h, m * n1 * 2));
+    CK(cudaMalloc(&act, m * k2 * 2));
+    CK(cudaMalloc(&y, m * n2 * 2));
+    CK(cudaMalloc(&sizes, kRot * L.E * 4));
+    // Values hashed from the index (repeating every 2^20 elements, which no
+    // expert's size is a multiple of), so a wrong row or expert shows.
+    {
+      std::vector<uint16_t> hv(std::max<int64_t>(m * k2, 1 << 20));
+      for (size_t i = 0; i < hv.size(); ++i) {
+        const float v = ((i * 2654435761u) >> 20 & 1023) / 1024.f - 0.5f;
+        hv[i] = __bfloat16_as_ushort(__float2bfloat16(v));
+      }
+      CK(cudaMemcpy(act, hv.data(), m * k2 * 2, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(x, hv.data(), std::min<int64_t>(m * k1, hv.size()) * 2,
+                    cudaMemcpyHostToDevice));
+      for (int64_t o = 0; o < w2n; o += hv.size())
+        CK(cudaMemcpy(w2 + o, hv.data(), std::min<int64_t>(hv.size(), w2n - o) * 2,
+                      cudaMemcpyHostToDevice));
+      CK(cudaMemset(w1, 0x3c, w1n * 2));
+    }
+    double active = 0;
+    const std::vector<int32_t> hs = RandomExpertSizes(L.E, L.T, L.topk, kRot, &active);
+    CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+    const double mb = active * (n1 * k1 + n2 * k2) * 2 / 1e6;
+    printf("%s: active %.1f, %.1f MB of weights per pair\n", L.name, active, mb);
+
+    auto s_of = [&](int c) { return sizes + (c % kRot) * L.E; };
+    using PairFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,
+                            const uint16_t*, uint16_t*, const int32_t*, const Layer&);
+    struct Variant {
+      const char* name;
+      PairFn fn;
+    };
+    // g1: x @ w1 -> h (triggers its dependents); g2: act @ w2 -> y.
+#define PAIR(W, PDL)                                                                          \
+  [](const uint16_t* x, const uint16_t* w1, const uint16_t* w2, uint16_t* h,                  \
+     const uint16_t* act, uint16_t* y, const int32_t* s, const Layer& L) {                     \
+    const int64_t m = static_cast<int64_t>(L.T) * L.topk;                                     \
+    Launch8<kNoPdl, PDL>(x, w1, s, h, m, 2 * L.I, L.H, L.E, false);                           \
+    Launch8<W, false>(act, w2, s, y, m, L.H, L.I, L.E, PDL);                                  \
+  }
+    const Variant variants[] = {
+        {"plain", PAIR(kNoPdl, false)},
+        {"pdl-start", PAIR(kAtStart, true)},
+        {"pdl-schedule", PAIR(kAfterSchedule, true)},
+        {"pdl-prefetch", PAIR(kAfterPrefetch, true)},
+    };
+#undef PAIR
+    std::vector<uint16_t> want(m * n2), got(m * n2);
+    for (const Variant& v : variants) {
+      CK(cudaMemset(y, 0xff, m * n2 * 2));
+      CK(cudaDeviceSynchronize());  // the memset ran on the default stream
+      v.fn(x, w1, w2, h, act, y, s_of(0), L);
+      CK(cudaStreamSynchronize(Stream()));
+      CK(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
+      if (&v == &variants[0]) want = got;
+      const bool same = std::memcmp(want.data(), got.data(), want.size() * 2) == 0;
+      const double us = MedianLaunchMicros(
+          [&](int c) { v.fn(x, w1, w2, h, act, y, s_of(c), L); }, kCalls, kReps, Stream());
+      printf("  %-14s %7.1f us  %.2f TB/s  %s\n", v.name, us, mb / us,
+             same ? "same bits as plain" : "DIFFERENT from plain");
+    }
+    CK(cudaFree(w1));
+    CK(cudaFree(w2));
+    CK(cudaFree(x));
+    CK(cudaFree(h));
+    CK(cudaFree(act));
+    CK(cudaFree(y));
+    CK(cudaFree(sizes));
+  }
+  return 0;
+}
