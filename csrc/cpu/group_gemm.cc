@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu/parallel_for.h"
 #include "ffi_common.h"
 #include "ops.h"
 #include "shape_checks.h"
@@ -26,34 +27,60 @@ inline float Dot(const float* a, const float* b, int64_t n) {
          ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
+// Columns of one expert per work item: their weight rows (converted to f32
+// once per item, 32 x K floats) stay in cache while every row of the expert
+// is multiplied by them.
+constexpr int64_t kItemCols = 32;
+// Below this many multiply-adds the call runs on the calling thread alone.
+constexpr int64_t kParallelMacs = int64_t{1} << 22;
+
 template <ffi::DataType DT>
-void GroupGemm(const void* x_raw, const void* w_raw, const int32_t* sizes, const GemmDims& d,
-               const int32_t* rows, int64_t topk, void* out_raw) {
+void GroupGemm(ffi::ThreadPool& pool, const void* x_raw, const void* w_raw,
+               const int32_t* sizes, const GemmDims& d, const int32_t* rows, int64_t topk,
+               void* out_raw) {
   const int64_t m = d.m, groups = d.groups, n = d.n, k = d.k;
   using S = HostScalar<DT>;
   const auto* x = static_cast<const typename S::Storage*>(x_raw);
   const auto* w = static_cast<const typename S::Storage*>(w_raw);
   auto* out = static_cast<typename S::Storage*>(out_raw);
-  std::vector<float> wf, xf(k);
+  // Work items: (expert, first row, rows, first column).
+  struct Item {
+    int64_t expert, row0, count, col0;
+  };
+  std::vector<Item> items;
   int64_t row = 0;
   for (int64_t e = 0; e < groups && row < m; ++e) {
     // Clamp: negative or oversized counts never index past the buffers.
-    int64_t count = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - row);
+    const int64_t count = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - row);
     if (count == 0) continue;
-    wf.resize(n * k);
-    for (int64_t i = 0; i < n * k; ++i) wf[i] = S::Load(w[e * n * k + i]);
-    for (int64_t r = row; r < row + count; ++r) {
+    for (int64_t c0 = 0; c0 < n; c0 += kItemCols) items.push_back({e, row, count, c0});
+    row += count;
+  }
+  // Each output is one Dot over all of K, whichever thread computes it: the
+  // same bits for any number of threads.
+  auto run = [&](int64_t i) {
+    const Item& it = items[i];
+    const int64_t cols = std::min(kItemCols, n - it.col0);
+    std::vector<float> wf(cols * k), xf(k);
+    const auto* wsrc = w + (it.expert * n + it.col0) * k;
+    for (int64_t j = 0; j < cols * k; ++j) wf[j] = S::Load(wsrc[j]);
+    for (int64_t r = it.row0; r < it.row0 + it.count; ++r) {
       const int64_t src = rows != nullptr ? ExpandSourceRow(rows[r], topk, d.x_rows * topk) : r;
       for (int64_t c = 0; c < k; ++c) xf[c] = src >= 0 ? S::Load(x[src * k + c]) : 0.f;
-      for (int64_t c = 0; c < n; ++c)
-        out[r * n + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));
+      for (int64_t c = 0; c < cols; ++c)
+        out[r * n + it.col0 + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));
     }
-    row += count;
+  };
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (row * n * k < kParallelMacs) {
+    for (int64_t i = 0; i < n_items; ++i) run(i);
+  } else {
+    ParallelFor(pool, n_items, run);
   }
   std::fill(out + row * n, out + m * n, S::Store(0.f));
 }
 
-ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
+ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
                         bool gather, int64_t topk, int64_t tile_m,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*scratch*/) {
@@ -62,7 +89,7 @@ ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() {
-    GroupGemm<DT>(x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
+    GroupGemm<DT>(pool, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
                   gather ? rows.typed_data() : nullptr, topk, out->untyped_data());
     return ffi::Error::Success();
   });
@@ -72,6 +99,7 @@ ffi::Error GroupGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer w,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
