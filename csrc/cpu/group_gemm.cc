@@ -61,7 +61,9 @@ void GroupGemm(ffi::ThreadPool& pool, const void* x_raw, const void* w_raw,
   auto run = [&](int64_t i) {
     const Item& it = items[i];
     const int64_t cols = std::min(kItemCols, n - it.col0);
-    std::vector<float> wf(cols * k), xf(k);
+    thread_local std::vector<float> wf, xf;  // reused across items and calls
+    wf.resize(cols * k);
+    xf.resize(k);
     const auto* wsrc = w + (it.expert * n + it.col0) * k;
     for (int64_t j = 0; j < cols * k; ++j) wf[j] = S::Load(wsrc[j]);
     for (int64_t r = it.row0; r < it.row0 + it.count; ++r) {
