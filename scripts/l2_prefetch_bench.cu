@@ -4,8 +4,9 @@
 // the pair faster? The pair runs as the layer runs it (shipped decode
 // dispatch), alone and after a prefetch kernel of each flavour; the routing
 // rotates over kRot random draws so no call finds the previous one's experts
-// in L2 on purpose. Not part of the build; needs a GPU (sm_90 for the bulk
-// prefetch). From the repository root:
+// in L2 on purpose. Answer (H200, run 10.1 in benchmarks/RESULTS.md): no;
+// the prefetch's time adds to the pair's in every flavour. Not part of the
+// build; needs a GPU (sm_90 for the bulk prefetch). From the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
 //     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
 //     scripts/l2_prefetch_bench.cu -o /tmp/l2_prefetch_bench && /tmp/l2_prefetch_bench

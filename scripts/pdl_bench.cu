@@ -109,17 +109,21 @@ void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_
   a.src = RowSource{nullptr, 1, m};
   a.vec_in = a.vec_out = true;
   const unsigned grid = Schedule(a, groups, kSR, kSBN);
+  // The shipped choice of form (from the shipped kernels' occupancy), then
+  // this variant's own resident grid.
   const int resident = ResidentBlocks<GroupGemmSkinnyPersistentKernel<T>>(kThreads);
   const bool persistent =
       resident > 0 && PersistScheduleFits(groups, m) &&
       (a.total_blocks >= kPersistWaves * resident ||
        SkinnyPersistentWins(a, groups, ResidentBlocks<GroupGemmSkinnyKernel<T>>(kThreads),
                             resident));
+  const int own_resident = ResidentBlocks<SkinnyPersistentPdl<T, W, Trigger>>(kThreads);
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.gridDim = dim3(persistent ? static_cast<unsigned>(resident) : grid);
+  cfg.gridDim = dim3(persistent ? static_cast<unsigned>(own_resident > 0 ? own_resident : 1)
+                                : grid);
   cfg.blockDim = dim3(kThreads);
   cfg.stream = Stream();
   cfg.attrs = pdl ? &attr : nullptr;
