@@ -320,6 +320,31 @@ def test_group_gemm_many_rows(rng, dtype):
     _check_gemm(rng, 70_000, 13, 7, 8, dtype, "empty_middle")  # M > 65,536, small N, K
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["dense", "gather"])
+def test_cpu_group_gemm_threaded_same_bits_as_serial(rng, gather):
+    # The CPU handler splits a call of 2^22 multiply-adds or more into items
+    # of 32 columns of one expert over XLA's thread pool (here 64 x 456 x 440
+    # = 12.8M, N off the 32 columns, an empty expert), and runs smaller ones
+    # on one thread (one expert's 16 rows: 3.2M). Each output is the same dot
+    # product either way: the same bits, expert by expert.
+    m, n, k, experts = 64, 456, 440, 5
+    sizes = np.array([16, 16, 0, 16, 16], np.int32)
+    w = normal(rng, (experts, n, k), jnp.bfloat16, scale=k**-0.5)
+    if gather:
+        x = normal(rng, (m // 2, k), jnp.bfloat16)
+        rows = jnp.asarray(rng.permutation(m), jnp.int32)  # token rows[r] // 2
+        whole = on_cpu(ops.group_gemm_gather, x, w, jnp.asarray(sizes), rows, 2)
+        x_rows = np.asarray(x)[np.asarray(rows) // 2]
+    else:
+        x_rows = np.asarray(normal(rng, (m, k), jnp.bfloat16))
+        whole = on_cpu(ops.group_gemm, jnp.asarray(x_rows), w, jnp.asarray(sizes))
+    start = np.concatenate([[0], np.cumsum(sizes)])
+    for e in np.flatnonzero(sizes):
+        part = on_cpu(ops.group_gemm, jnp.asarray(x_rows[start[e]:start[e + 1]]), w[e:e + 1],
+                      jnp.asarray(sizes[e:e + 1]))
+        assert_equal(whole[start[e]:start[e + 1]], part, f"expert {e}, gather={gather}")
+
+
 # expert_sizes outside the contract (for 64 rows, 4 experts): each GEMM path
 # must clamp them as reference.py does.
 BAD_SIZES = {"oversized_first": [90, 5, 0, 0], "negative": [5, -3, 70, 20],
