@@ -23,6 +23,11 @@ _platforms = os.environ.get("JAX_PLATFORMS", "")
 if _platforms and "cpu" not in _platforms.split(","):
     os.environ["JAX_PLATFORMS"] = _platforms + ",cpu"
 
+# On a GPU jax would otherwise preallocate 75% of the GPU's memory in every
+# pytest process, more than parallel pytest-xdist workers can share. A user's
+# own setting wins. No effect on CPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import secrets  # noqa: E402
 
 import jax  # noqa: E402
