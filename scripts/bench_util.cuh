@@ -69,3 +69,39 @@ inline std::vector<int32_t> RandomExpertSizes(int experts, int tokens, int topk,
   *mean_active = static_cast<double>(active) / rotations;
   return sizes;
 }
+
+// A MoE layer's shape for the decode GEMM pair benches: E experts, hidden
+// size H, expert FFN width I, T tokens, topk experts per token.
+struct Layer {
+  const char* name;
+  int E, H, I, T, topk;
+};
+
+// The device buffers of a layer's two GEMMs in bf16, M = T * topk rows:
+// gate/up x (M, H) @ w1 (E, 2I, H) -> h (M, 2I), down act (M, I) @ w2 (E, H, I)
+// -> y (M, H), and `rotations` rows of expert_sizes. Contents are left to the
+// caller; freed with the object.
+struct PairBuffers {
+  int64_t m, n1, k1, n2, k2, w1n, w2n;
+  uint16_t *w1, *w2, *x, *h, *act, *y;
+  int32_t* sizes;
+  PairBuffers(const Layer& L, int rotations)
+      : m(static_cast<int64_t>(L.T) * L.topk), n1(2 * int64_t{L.I}), k1(L.H), n2(L.H),
+        k2(L.I), w1n(L.E * n1 * k1), w2n(L.E * n2 * k2) {
+    CK(cudaMalloc(&w1, w1n * 2));
+    CK(cudaMalloc(&w2, w2n * 2));
+    CK(cudaMalloc(&x, m * k1 * 2));
+    CK(cudaMalloc(&h, m * n1 * 2));
+    CK(cudaMalloc(&act, m * k2 * 2));
+    CK(cudaMalloc(&y, m * n2 * 2));
+    CK(cudaMalloc(&sizes, static_cast<size_t>(rotations) * L.E * 4));
+  }
+  ~PairBuffers() {
+    for (void* p : {static_cast<void*>(w1), static_cast<void*>(w2), static_cast<void*>(x),
+                    static_cast<void*>(h), static_cast<void*>(act), static_cast<void*>(y),
+                    static_cast<void*>(sizes)})
+      CK(cudaFree(p));
+  }
+  PairBuffers(const PairBuffers&) = delete;
+  PairBuffers& operator=(const PairBuffers&) = delete;
+};

@@ -12,6 +12,7 @@
 // rotated routings); times are the median of 7 repeats of 20 launches.
 #include "../csrc/cuda/group_gemm.cu"
 #include "bench_util.cuh"
+#include "group_gemm_bench.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -67,17 +68,6 @@ struct Case {
 using Launch = void (*)(const uint16_t*, const uint16_t*, const int32_t*, uint16_t*, int64_t,
                         int64_t, int64_t, int64_t);
 
-// The launch arguments of an (m, n, k) problem without gather, 16-byte aligned.
-GemmArgs DenseArgs(int64_t m, int64_t n, int64_t k) {
-  GemmArgs a{};
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  a.src = RowSource{nullptr, 1, m};
-  a.vec_in = a.vec_out = true;
-  return a;
-}
-
 enum class Form { kShipped, kShipped16, kBlock, kPersistent };
 
 template <Form F>
@@ -85,14 +75,7 @@ void LaunchDecode(const uint16_t* x, const uint16_t* w, const int32_t* sizes, ui
                   int64_t m, int64_t n, int64_t k, int64_t groups) {
   using T = __nv_bfloat16;
   if (F == Form::kShipped || F == Form::kShipped16) {
-    GemmDims d{};
-    d.m = m;
-    d.n = n;
-    d.k = k;
-    d.groups = groups;
-    d.x_rows = m;
-    LaunchGroupGemm<ffi::DataType::BF16>(0, x, w, sizes, out, d, nullptr, 1,
-                                         F == Form::kShipped16 ? 16 : 8);
+    LaunchShipped(x, w, sizes, out, m, n, k, groups, F == Form::kShipped16 ? 16 : 8);
     return;
   }
   GemmArgs a = DenseArgs(m, n, k);

@@ -12,6 +12,7 @@
 //     scripts/l2_prefetch_bench.cu -o /tmp/l2_prefetch_bench && /tmp/l2_prefetch_bench
 #include "../csrc/cuda/group_gemm.cu"
 #include "bench_util.cuh"
+#include "group_gemm_bench.cuh"
 
 #include <cstdio>
 #include <vector>
@@ -48,22 +49,6 @@ __global__ void PrefetchActive(const char* __restrict__ w, int64_t expert_bytes,
   }
 }
 
-struct Layer {
-  const char* name;
-  int E, H, I, T, topk;
-};
-
-void Gemm(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out, int64_t m,
-          int64_t n, int64_t k, int64_t groups, int tile) {
-  GemmDims d{};
-  d.m = m;
-  d.n = n;
-  d.k = k;
-  d.groups = groups;
-  d.x_rows = m;
-  LaunchGroupGemm<ffi::DataType::BF16>(0, x, w, sizes, out, d, nullptr, 1, tile);
-}
-
 }  // namespace
 }  // namespace jax_moe
 
@@ -82,19 +67,10 @@ int main() {
   CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
   printf("SMs %d, L2 %.1f MB\n", sms, l2 / 1e6);
   for (const Layer& L : layers) {
-    const int64_t m = static_cast<int64_t>(L.T) * L.topk;
-    const int64_t n1 = 2 * L.I, k1 = L.H, n2 = L.H, k2 = L.I;
-    const int64_t w1n = static_cast<int64_t>(L.E) * n1 * k1;
-    const int64_t w2n = static_cast<int64_t>(L.E) * n2 * k2;
-    uint16_t *w1, *w2, *x, *h, *act, *y;
-    int32_t* sizes;
-    CK(cudaMalloc(&w1, w1n * 2));
-    CK(cudaMalloc(&w2, w2n * 2));
-    CK(cudaMalloc(&x, m * k1 * 2));
-    CK(cudaMalloc(&h, m * n1 * 2));
-    CK(cudaMalloc(&act, m * k2 * 2));
-    CK(cudaMalloc(&y, m * n2 * 2));
-    CK(cudaMalloc(&sizes, kRot * L.E * 4));
+    const PairBuffers b(L, kRot);
+    const int64_t m = b.m, n1 = b.n1, k1 = b.k1, n2 = b.n2, k2 = b.k2, w1n = b.w1n, w2n = b.w2n;
+    uint16_t *w1 = b.w1, *w2 = b.w2, *x = b.x, *h = b.h, *act = b.act, *y = b.y;
+    int32_t* sizes = b.sizes;
     CK(cudaMemset(w1, 0x3c, w1n * 2));
     CK(cudaMemset(w2, 0x3c, w2n * 2));
     CK(cudaMemset(x, 0x3c, m * k1 * 2));
@@ -106,11 +82,12 @@ int main() {
     const double mb1 = active * e1 / 1e6, mb2 = active * e2 / 1e6;
     printf("%s: active %.1f, w1 %.1f MB, w2 %.1f MB\n", L.name, active, mb1, mb2);
     const int tile = L.T == 1 ? 8 : 16;  // what the tuning rule picks
-    auto g1 = [&](int c) { Gemm(x, w1, sizes + (c % kRot) * L.E, h, m, n1, k1, L.E, tile); };
-    auto g2 = [&](int c) { Gemm(act, w2, sizes + (c % kRot) * L.E, y, m, n2, k2, L.E, tile); };
+    auto s_of = [&](int c) { return sizes + (c % kRot) * L.E; };
+    auto g1 = [&](int c) { LaunchShipped(x, w1, s_of(c), h, m, n1, k1, L.E, tile); };
+    auto g2 = [&](int c) { LaunchShipped(act, w2, s_of(c), y, m, n2, k2, L.E, tile); };
     auto pf = [&](int mode, const uint16_t* w, int64_t eb, int c) {
       const char* p = reinterpret_cast<const char*>(w);
-      const int32_t* s = sizes + (c % kRot) * L.E;
+      const int32_t* s = s_of(c);
       if (mode == 0) PrefetchActive<0><<<sms, 256>>>(p, eb, s, L.E);
       if (mode == 1) PrefetchActive<1><<<sms, 256>>>(p, eb, s, L.E);
       if (mode == 2) PrefetchActive<2><<<sms, 256>>>(p, eb, s, L.E);
@@ -134,13 +111,6 @@ int main() {
              mb1 + mb2);
     }
     CK(cudaGetLastError());
-    CK(cudaFree(w1));
-    CK(cudaFree(w2));
-    CK(cudaFree(x));
-    CK(cudaFree(h));
-    CK(cudaFree(act));
-    CK(cudaFree(y));
-    CK(cudaFree(sizes));
   }
   return 0;
 }

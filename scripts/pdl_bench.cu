@@ -28,6 +28,7 @@
 //     scripts/pdl_bench.cu -o /tmp/pdl_bench && /tmp/pdl_bench
 #include "../csrc/cuda/group_gemm.cu"
 #include "bench_util.cuh"
+#include "group_gemm_bench.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -59,16 +60,27 @@ __device__ __forceinline__ void PrefetchSlice(const uint16_t* w, int64_t e, int6
 // the next launch start; W says where the second GEMM waits. Blocks that only
 // zero the tail rows of `out` never wait: the first GEMM does not touch the
 // second's output (a library version would wait before any write).
+// What both forms do before their tile loop, and for each tile.
+template <int W, bool Trigger>
+__device__ __forceinline__ void PdlStart() {
+  if (Trigger) PdlTrigger();
+  if (W == kAtStart) PdlWait();
+}
+template <typename T, int W, int KT>
+__device__ __forceinline__ void PdlTile(const uint16_t* x, const uint16_t* w, uint16_t* out,
+                                        const GemmArgs& a, const Tile& tile, int64_t n0) {
+  if (W == kAfterPrefetch) PrefetchSlice(w, tile.expert, n0, a.n, a.k);
+  if (W >= kAfterSchedule) PdlWait();
+  SkinnyTile<T, KT>(x, w, out, tile, a.src, n0, a.n, a.k);
+}
+
 template <typename T, int W, bool Trigger>
 __global__ void __launch_bounds__(kThreads, 3)
     SkinnyBlockPdl(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                    const int32_t* __restrict__ sizes, uint16_t* __restrict__ out, GemmArgs a) {
-  if (Trigger) PdlTrigger();
-  if (W == kAtStart) PdlWait();
+  PdlStart<W, Trigger>();
   ForEachTile<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    if (W == kAfterPrefetch) PrefetchSlice(w, tile.expert, n0, a.n, a.k);
-    if (W >= kAfterSchedule) PdlWait();
-    SkinnyTile<T, 2>(x, w, out, tile, a.src, n0, a.n, a.k);
+    PdlTile<T, W, 2>(x, w, out, a, tile, n0);
   });
 }
 
@@ -77,12 +89,9 @@ __global__ void __launch_bounds__(kThreads, 4)
     SkinnyPersistentPdl(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                         const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                         GemmArgs a) {
-  if (Trigger) PdlTrigger();
-  if (W == kAtStart) PdlWait();
+  PdlStart<W, Trigger>();
   ForEachTilePersistent<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    if (W == kAfterPrefetch) PrefetchSlice(w, tile.expert, n0, a.n, a.k);
-    if (W >= kAfterSchedule) PdlWait();
-    SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k);
+    PdlTile<T, W, 1>(x, w, out, a, tile, n0);
   });
 }
 
@@ -102,12 +111,7 @@ template <int W, bool Trigger>
 void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out, int64_t m,
              int64_t n, int64_t k, int64_t groups, bool pdl) {
   using T = __nv_bfloat16;
-  GemmArgs a{};
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  a.src = RowSource{nullptr, 1, m};
-  a.vec_in = a.vec_out = true;
+  GemmArgs a = DenseArgs(m, n, k);
   const unsigned grid = Schedule(a, groups, kSR, kSBN);
   // The shipped choice of form (from the shipped kernels' occupancy), then
   // this variant's own resident grid.
@@ -134,11 +138,6 @@ void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_
     CK(cudaLaunchKernelEx(&cfg, SkinnyBlockPdl<T, W, Trigger>, x, w, sizes, out, a));
 }
 
-struct Layer {
-  const char* name;
-  int E, H, I, T, topk;
-};
-
 }  // namespace
 }  // namespace jax_moe
 
@@ -151,19 +150,10 @@ int main() {
   };
   const int kRot = 16, kCalls = 20, kReps = 9;
   for (const Layer& L : layers) {
-    const int64_t m = static_cast<int64_t>(L.T) * L.topk;
-    const int64_t n1 = 2 * L.I, k1 = L.H, n2 = L.H, k2 = L.I;
-    const int64_t w1n = static_cast<int64_t>(L.E) * n1 * k1;
-    const int64_t w2n = static_cast<int64_t>(L.E) * n2 * k2;
-    uint16_t *w1, *w2, *x, *h, *act, *y;
-    int32_t* sizes;
-    CK(cudaMalloc(&w1, w1n * 2));
-    CK(cudaMalloc(&w2, w2n * 2));
-    CK(cudaMalloc(&x, m * k1 * 2));
-    CK(cudaMalloc(&h, m * n1 * 2));
-    CK(cudaMalloc(&act, m * k2 * 2));
-    CK(cudaMalloc(&y, m * n2 * 2));
-    CK(cudaMalloc(&sizes, kRot * L.E * 4));
+    const PairBuffers b(L, kRot);
+    const int64_t m = b.m, n1 = b.n1, k1 = b.k1, n2 = b.n2, k2 = b.k2, w1n = b.w1n, w2n = b.w2n;
+    uint16_t *w1 = b.w1, *w2 = b.w2, *x = b.x, *h = b.h, *act = b.act, *y = b.y;
+    int32_t* sizes = b.sizes;
     // Values hashed from the index (repeating every 2^20 elements, which no
     // expert's size is a multiple of), so a wrong row or expert shows.
     {
@@ -222,13 +212,6 @@ int main() {
       printf("  %-14s %7.1f us  %.2f TB/s  %s\n", v.name, us, mb / us,
              same ? "same bits as plain" : "DIFFERENT from plain");
     }
-    CK(cudaFree(w1));
-    CK(cudaFree(w2));
-    CK(cudaFree(x));
-    CK(cudaFree(h));
-    CK(cudaFree(act));
-    CK(cudaFree(y));
-    CK(cudaFree(sizes));
   }
   return 0;
 }
