@@ -1,11 +1,9 @@
-// Experiment (not run yet): how much of a decode layer's GEMM pair is launch
-// ramp that programmatic dependent launch (PDL, sm_90) could hide. At
-// Qwen3-30B-A3B T = 1 the gate/up and down GEMMs take 18.1 + 11.3 us alone
-// and 29.4 us back to back (run 10.1), where a plain read of their bytes
-// takes 22.6. With PDL the down GEMM is launched while the gate/up GEMM runs:
-// its blocks wait (griddepcontrol.wait) only where they first need the gate/up
-// GEMM to be done, so the launch, the tile schedule and optionally an L2
-// prefetch of the block's weights overlap the gate/up GEMM's tail.
+// Experiment: how much of a decode layer's GEMM pair is launch ramp that
+// programmatic dependent launch (PDL, sm_90) could hide. With PDL the down
+// GEMM is launched while the gate/up GEMM runs: its blocks wait
+// (griddepcontrol.wait) only where they first need the gate/up GEMM to be
+// done, so the launch, the tile schedule and optionally an L2 prefetch of the
+// block's weights overlap the gate/up GEMM's tail.
 //
 // Variants, each timed over 20 pairs (median of 9 repeats), routings rotated
 // over 16 random draws, the down output checked bit for bit against the
@@ -17,11 +15,16 @@
 // The gate/up GEMM triggers its dependents as it starts (a trigger only lets
 // them launch; their wait still waits for its whole grid and its writes).
 // The down GEMM reads a separate activation buffer, so the pair's bytes are
-// the layer's; the wait keeps the ordering a real layer would need.
+// the layer's; the wait keeps the ordering a real layer would need. Then the
+// same under CUDA graphs built as XLA's command buffers build them (each
+// custom call captured into a child graph, chained): the two GEMMs as two
+// calls (today), as one call, and as one call with PDL (a programmatic edge
+// survives stream capture within a call, not across child graphs).
 //
-// If PDL pays here, the next question is whether XLA's command buffers keep
-// the programmatic edge between two custom calls; within one custom call
-// (one handler launching both GEMMs) it is plain stream capture.
+// Answer (runs 11.1 and 11.4, H200, 2026-11-30): PDL (waiting after the
+// schedule) saves 2.5-3.2 us a pair on plain streams and 1.7-2.3 us under
+// graphs: Qwen3-30B-A3B T = 1 27.8 -> 26.1 us, Qwen3-235B-A22B 84.8 -> 82.9,
+// DeepSeek-V3 185.7 -> 183.4. The L2 prefetch costs more than it saves.
 // From the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
 //     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
@@ -138,6 +141,43 @@ void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_
     CK(cudaLaunchKernelEx(&cfg, SkinnyBlockPdl<T, W, Trigger>, x, w, sizes, out, a));
 }
 
+// Times `calls` units as XLA's command buffers run custom calls: each unit
+// (one custom call) is stream-captured into a graph of its own and added as a
+// child-graph node after the previous unit's node; the chain is one graph
+// launch. unit(c, part) launches part `part` (0 .. parts - 1) of call c; with
+// parts > 1 each part is a separate custom call (its own child graph).
+template <typename F>
+double GraphMicros(F&& unit, int parts, int calls, int reps) {
+  cudaGraph_t parent;
+  CK(cudaGraphCreate(&parent, 0));
+  cudaGraphNode_t prev{};
+  bool have_prev = false;
+  for (int c = 0; c < calls; ++c) {
+    for (int part = 0; part < parts; ++part) {
+      cudaGraph_t child;
+      CK(cudaStreamBeginCapture(Stream(), cudaStreamCaptureModeThreadLocal));
+      unit(c, part);
+      CK(cudaStreamEndCapture(Stream(), &child));
+      cudaGraphNode_t node;
+      CK(cudaGraphAddChildGraphNode(&node, parent, have_prev ? &prev : nullptr,
+                                    have_prev ? 1 : 0, child));
+      CK(cudaGraphDestroy(child));
+      prev = node;
+      have_prev = true;
+    }
+  }
+  cudaGraphExec_t exec;
+  CK(cudaGraphInstantiate(&exec, parent, 0));
+  CK(cudaGraphLaunch(exec, Stream()));  // warm-up
+  CK(cudaStreamSynchronize(Stream()));
+  const double us =
+      MedianLaunchMicros([&](int) { CK(cudaGraphLaunch(exec, Stream())); }, 1, reps, Stream()) /
+      calls;
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(parent));
+  return us;
+}
+
 }  // namespace
 }  // namespace jax_moe
 
@@ -212,6 +252,32 @@ int main() {
       printf("  %-14s %7.1f us  %.2f TB/s  %s\n", v.name, us, mb / us,
              same ? "same bits as plain" : "DIFFERENT from plain");
     }
+    // Under CUDA graphs as XLA builds them: today's two custom calls, the
+    // pair as one custom call, and the pair as one call with PDL.
+    const int64_t mm = m;
+    auto g1 = [&](int c) { Launch8<kNoPdl, true>(x, w1, s_of(c), h, mm, n1, k1, L.E, false); };
+    const double two = GraphMicros(
+        [&](int c, int part) {
+          if (part == 0)
+            Launch8<kNoPdl, false>(x, w1, s_of(c), h, mm, n1, k1, L.E, false);
+          else
+            Launch8<kNoPdl, false>(act, w2, s_of(c), y, mm, n2, k2, L.E, false);
+        },
+        2, kCalls, kReps);
+    const double one = GraphMicros(
+        [&](int c, int) {
+          Launch8<kNoPdl, false>(x, w1, s_of(c), h, mm, n1, k1, L.E, false);
+          Launch8<kNoPdl, false>(act, w2, s_of(c), y, mm, n2, k2, L.E, false);
+        },
+        1, kCalls, kReps);
+    const double one_pdl = GraphMicros(
+        [&](int c, int) {
+          g1(c);
+          Launch8<kAfterSchedule, false>(act, w2, s_of(c), y, mm, n2, k2, L.E, true);
+        },
+        1, kCalls, kReps);
+    printf("  graphs: two calls %.1f us, one call %.1f us, one call with PDL %.1f us\n", two, one,
+           one_pdl);
   }
   return 0;
 }
