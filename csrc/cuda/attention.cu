@@ -110,7 +110,6 @@ constexpr int kMaxHeadsPerBlock = 8;
 constexpr int kStageBytes = 2048;
 constexpr int kStages = 3;
 constexpr int kStageVecs = kStageBytes / 16;               // 16-byte chunks per stage and tensor
-constexpr int kStageLoads = kStageVecs / 32;               // cp.async per lane, stage and tensor
 constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kStageBytes;
 // The ring, then the cache slot of each token of the split (int32: the
 // handler rejects caches of 2^31 slots or more).
@@ -182,6 +181,45 @@ __device__ __forceinline__ bool SetupSplit(SplitBlock& blk, int rows,
                      ? static_cast<int32_t>(page * page_size + t % page_size) : -1;
   }
   return true;
+}
+
+// The number of tiles of `rows` tokens of a split of ntok tokens that warp
+// `warp` takes (tiles warp, warp + kDecodeWarps, ...).
+__device__ __forceinline__ int WarpTiles(int ntok, int rows, int warp) {
+  const int ntiles = (ntok + rows - 1) / rows;
+  return ntiles > warp ? (ntiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+}
+
+// The split kernels' per-warp cp.async ring: copies this warp's i-th tile
+// (tile warp + i * kDecodeWarps of the split: kRows token rows of kChunks
+// 16-byte chunks of this kv head's K and V) into stage i % kStages of
+// my_ring (kVecs chunks per stage and tensor, K then V), chunk c of row r at
+// pos(r, c). Always commits a group (empty past the last tile) so that the
+// caller's wait counts uniformly. Skipped tokens are zero-filled without
+// reading memory.
+template <int kRows, int kChunks, int kStages, int kVecs, typename T, typename Pos>
+__device__ __forceinline__ void IssueTile(int i, int my_tiles, int warp, int lane, int ntok,
+                                          const int32_t* slot_of, int64_t row, int64_t col,
+                                          const T* __restrict__ kc, const T* __restrict__ vc,
+                                          uint4* my_ring, Pos pos) {
+  static_assert(kRows * kChunks % 32 == 0, "whole chunks per lane");
+  constexpr int kVec = 16 / sizeof(T);  // elements per chunk
+  if (i < my_tiles) {
+    const int base = (warp + i * kDecodeWarps) * kRows;
+    uint4* dk = my_ring + (i % kStages) * 2 * kVecs;
+#pragma unroll
+    for (int j = 0; j < kRows * kChunks / 32; ++j) {
+      const int v = lane + 32 * j;
+      const int r = v / kChunks, c = v % kChunks;
+      const int tok = base + r;
+      const int64_t slot = tok < ntok ? slot_of[tok] : -1;
+      const int64_t off = slot >= 0 ? slot * row + col + c * kVec : 0;
+      const int bytes = slot >= 0 ? 16 : 0;
+      CpAsync16Zfill(dk + pos(r, c), kc + off, bytes);
+      CpAsync16Zfill(dk + kVecs + pos(r, c), vc + off, bytes);
+    }
+  }
+  CpAsyncCommit();
 }
 
 // Merges the warps' softmax states, staged in shared memory as red[warp][row][D]
@@ -286,29 +324,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();  // slot_of visible
 
-  const int ntiles = (ntok + kTile - 1) / kTile;
-  const int my_tiles = ntiles > warp ? (ntiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+  const int my_tiles = WarpTiles(ntok, kTile, warp);
   uint4* my_ring = ring + warp * kStages * 2 * kStageVecs;
-  // Copies this warp's i-th tile (tile warp + i * kDecodeWarps of the split)
-  // into stage i % kStages; always commits a group (empty past the last tile)
-  // so that the wait below counts uniformly. Skipped tokens are zero-filled
-  // without reading memory.
-  auto issue = [&](int i) {
-    if (i < my_tiles) {
-      const int base = (warp + i * kDecodeWarps) * kTile;
-      uint4* dk = my_ring + (i % kStages) * 2 * kStageVecs;
-#pragma unroll
-      for (int j = 0; j < kStageLoads; ++j) {
-        const int v = wl + 32 * j;  // chunk v % kChunks of the tile's row v / kChunks
-        const int tok = base + v / kChunks;
-        const int64_t slot = tok < ntok ? slot_of[tok] : -1;
-        const int64_t off = slot >= 0 ? slot * row + col + (v % kChunks) * kVec : 0;
-        const int bytes = slot >= 0 ? 16 : 0;
-        CpAsync16Zfill(dk + v, kc + off, bytes);
-        CpAsync16Zfill(dk + kStageVecs + v, vc + off, bytes);
-      }
-    }
-    CpAsyncCommit();
+  auto issue = [&](int i) {  // rows stored unswizzled: chunk c of row r at r * kChunks + c
+    IssueTile<kTile, kChunks, kStages, kStageVecs>(i, my_tiles, warp, wl, ntok, slot_of, row, col,
+                                                   kc, vc, my_ring,
+                                                   [](int r, int c) { return r * kChunks + c; });
   };
 
   float m[GC], lsum[GC], acc[GC][kEpl];
@@ -461,7 +482,6 @@ struct MmaDecode {
   // keep the ring small enough for 3 blocks per SM at D = 128.
   static constexpr int kStages = D > 64 ? 2 : 3;
   static constexpr int kTileVecs = kMmaTokens * kChunks;  // chunks per tile and tensor
-  static constexpr int kLoads = kTileVecs / 32;           // cp.async per lane, tile and tensor
   static constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kTileVecs * 16;
   static constexpr int kPBytes = kMmaTokens * kMmaRows * 2;  // P of one warp, [token][head]
   static constexpr int kFixedBytes = kRingBytes + kDecodeWarps * kPBytes;  // before slot_of
@@ -525,30 +545,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();  // slot_of visible
 
-  const int ntiles = (ntok + kMmaTokens - 1) / kMmaTokens;
-  const int my_tiles = ntiles > warp ? (ntiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+  const int my_tiles = WarpTiles(ntok, kMmaTokens, warp);
   uint4* my_ring = ring + warp * kStages * 2 * kTileVecs;
-  // Copies this warp's i-th tile (tile warp + i * kDecodeWarps of the split)
-  // into stage i % kStages; always commits a group (empty past the last tile)
-  // so that the wait below counts uniformly. Skipped tokens are zero-filled
-  // without reading memory.
-  auto issue = [&](int i) {
-    if (i < my_tiles) {
-      const int base = (warp + i * kDecodeWarps) * kMmaTokens;
-      uint4* dk = my_ring + (i % kStages) * 2 * kTileVecs;
-#pragma unroll
-      for (int j = 0; j < C::kLoads; ++j) {
-        const int v = wl + 32 * j;
-        const int r = v / kChunks, c = v % kChunks;
-        const int tok = base + r;
-        const int64_t slot = tok < ntok ? slot_of[tok] : -1;
-        const int64_t off = slot >= 0 ? slot * row + col + c * 8 : 0;
-        const int bytes = slot >= 0 ? 16 : 0;
-        CpAsync16Zfill(dk + Swz<kChunks>(r, c), kc + off, bytes);
-        CpAsync16Zfill(dk + kTileVecs + Swz<kChunks>(r, c), vc + off, bytes);
-      }
-    }
-    CpAsyncCommit();
+  auto issue = [&](int i) {  // rows XOR-swizzled for ldmatrix
+    IssueTile<kMmaTokens, kChunks, kStages, kTileVecs>(i, my_tiles, warp, wl, ntok, slot_of, row,
+                                                       col, kc, vc, my_ring,
+                                                       [](int r, int c) { return Swz<kChunks>(r, c); });
   };
 
   // Running softmax state of heads 2t (h = 0) and 2t + 1 (h = 1); o[j] holds
