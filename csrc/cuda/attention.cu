@@ -548,9 +548,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int my_tiles = WarpTiles(ntok, kMmaTokens, warp);
   uint4* my_ring = ring + warp * kStages * 2 * kTileVecs;
   auto issue = [&](int i) {  // rows XOR-swizzled for ldmatrix
+    auto pos = [](int r, int c) { return Swz<kChunks>(r, c); };
     IssueTile<kMmaTokens, kChunks, kStages, kTileVecs>(i, my_tiles, warp, wl, ntok, slot_of, row,
-                                                       col, kc, vc, my_ring,
-                                                       [](int r, int c) { return Swz<kChunks>(r, c); });
+                                                       col, kc, vc, my_ring, pos);
   };
 
   // Running softmax state of heads 2t (h = 0) and 2t + 1 (h = 1); o[j] holds
