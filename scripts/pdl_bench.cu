@@ -22,7 +22,7 @@
 // survives stream capture within a call, not across child graphs).
 //
 // Answer (runs 11.1 and 11.4, H200, 2026-11-30): PDL (waiting after the
-// schedule) saves 2.5-3.2 us a pair on plain streams and 1.7-2.3 us under
+// schedule) saves 1.9-3.3 us a pair on plain streams and 1.3-2.3 us under
 // graphs: Qwen3-30B-A3B T = 1 27.8 -> 26.1 us, Qwen3-235B-A22B 84.8 -> 82.9,
 // DeepSeek-V3 185.7 -> 183.4. The L2 prefetch costs more than it saves.
 // From the repository root:
