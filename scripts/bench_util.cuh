@@ -77,6 +77,16 @@ struct Layer {
   int E, H, I, T, topk;
 };
 
+// The models the decode benches time (E, H, I, topk), and a layer of T tokens of one.
+struct Model {
+  int E, H, I, topk;
+};
+constexpr Model kQwen3_30B{128, 2048, 768, 8}, kQwen3_235B{128, 4096, 1536, 8},
+    kDeepSeekV3{256, 7168, 2048, 8};
+constexpr Layer LayerOf(const char* name, Model m, int tokens) {
+  return {name, m.E, m.H, m.I, tokens, m.topk};
+}
+
 // The device buffers of a layer's two GEMMs in bf16, M = T * topk rows:
 // gate/up x (M, H) @ w1 (E, 2I, H) -> h (M, 2I), down act (M, I) @ w2 (E, H, I)
 // -> y (M, H), and `rotations` rows of expert_sizes. Contents are left to the

@@ -56,9 +56,9 @@ using namespace jax_moe;
 
 int main() {
   const Layer layers[] = {
-      {"q30 T1", 128, 2048, 768, 1, 8},   {"q30 T4", 128, 2048, 768, 4, 8},
-      {"q30 T16", 128, 2048, 768, 16, 8}, {"q235 T1", 128, 4096, 1536, 1, 8},
-      {"ds T1", 256, 7168, 2048, 1, 8},
+      LayerOf("q30 T1", kQwen3_30B, 1),    LayerOf("q30 T4", kQwen3_30B, 4),
+      LayerOf("q30 T16", kQwen3_30B, 16),  LayerOf("q235 T1", kQwen3_235B, 1),
+      LayerOf("ds T1", kDeepSeekV3, 1),
   };
   const int kRot = 16, kCalls = 20, kReps = 9;
   int sms = 0;

@@ -185,8 +185,8 @@ using namespace jax_moe;
 
 int main() {
   const Layer layers[] = {
-      {"q30 T1", 128, 2048, 768, 1, 8}, {"q30 T4", 128, 2048, 768, 4, 8},
-      {"q235 T1", 128, 4096, 1536, 1, 8}, {"ds T1", 256, 7168, 2048, 1, 8},
+      LayerOf("q30 T1", kQwen3_30B, 1), LayerOf("q30 T4", kQwen3_30B, 4),
+      LayerOf("q235 T1", kQwen3_235B, 1), LayerOf("ds T1", kDeepSeekV3, 1),
   };
   const int kRot = 16, kCalls = 20, kReps = 9;
   for (const Layer& L : layers) {
@@ -254,26 +254,25 @@ int main() {
     }
     // Under CUDA graphs as XLA builds them: today's two custom calls, the
     // pair as one custom call, and the pair as one call with PDL.
-    const int64_t mm = m;
-    auto g1 = [&](int c) { Launch8<kNoPdl, true>(x, w1, s_of(c), h, mm, n1, k1, L.E, false); };
+    auto g1 = [&](int c) { Launch8<kNoPdl, true>(x, w1, s_of(c), h, m, n1, k1, L.E, false); };
     const double two = GraphMicros(
         [&](int c, int part) {
           if (part == 0)
-            Launch8<kNoPdl, false>(x, w1, s_of(c), h, mm, n1, k1, L.E, false);
+            Launch8<kNoPdl, false>(x, w1, s_of(c), h, m, n1, k1, L.E, false);
           else
-            Launch8<kNoPdl, false>(act, w2, s_of(c), y, mm, n2, k2, L.E, false);
+            Launch8<kNoPdl, false>(act, w2, s_of(c), y, m, n2, k2, L.E, false);
         },
         2, kCalls, kReps);
     const double one = GraphMicros(
         [&](int c, int) {
-          Launch8<kNoPdl, false>(x, w1, s_of(c), h, mm, n1, k1, L.E, false);
-          Launch8<kNoPdl, false>(act, w2, s_of(c), y, mm, n2, k2, L.E, false);
+          Launch8<kNoPdl, false>(x, w1, s_of(c), h, m, n1, k1, L.E, false);
+          Launch8<kNoPdl, false>(act, w2, s_of(c), y, m, n2, k2, L.E, false);
         },
         1, kCalls, kReps);
     const double one_pdl = GraphMicros(
         [&](int c, int) {
           g1(c);
-          Launch8<kAfterSchedule, false>(act, w2, s_of(c), y, mm, n2, k2, L.E, true);
+          Launch8<kAfterSchedule, false>(act, w2, s_of(c), y, m, n2, k2, L.E, true);
         },
         1, kCalls, kReps);
     printf("  graphs: two calls %.1f us, one call %.1f us, one call with PDL %.1f us\n", two, one,
