@@ -241,19 +241,27 @@ int OncePerDevice(Query&& query) {
   return v > 0 ? v : 0;
 }
 
+// The current device's SM count, asked once per device; 0 when the query fails.
+inline int DeviceSms() {
+  return OncePerDevice([](int dev) {
+    int sms = 0;
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? sms
+                                                                                            : 0;
+  });
+}
+
 // How many blocks of `Kernel` (`threads` threads, `dynamic_smem` bytes of
 // dynamic shared memory; a kernel passes the same values at every call) the
 // current device holds at once: occupancy x SM count, asked once per device.
 // 0 when the query fails.
 template <auto Kernel>
 int ResidentBlocks(int threads, int dynamic_smem = 0) {
-  return OncePerDevice([&](int dev) {
-    int per_sm = 0, sms = 0;
+  return OncePerDevice([&](int) {
+    int per_sm = 0;
     const bool ok =
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, dynamic_smem) ==
-                cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
-    return ok ? per_sm * sms : 0;
+        cudaSuccess;
+    return ok ? per_sm * DeviceSms() : 0;
   });
 }
 
@@ -265,15 +273,6 @@ inline int DeviceMajor() {
     return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess
                ? major
                : 0;
-  });
-}
-
-// The current device's SM count, asked once per device; 0 when the query fails.
-inline int DeviceSms() {
-  return OncePerDevice([](int dev) {
-    int sms = 0;
-    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? sms
-                                                                                            : 0;
   });
 }
 
