@@ -16,6 +16,7 @@ namespace jax_moe {
   X("jax_moe_token_index", TokenIndex)     \
   X("jax_moe_expand", Expand)              \
   X("jax_moe_group_gemm", GroupGemm)       \
+  X("jax_moe_expert_mlp", ExpertMlp)       \
   X("jax_moe_gated_act", GatedAct)         \
   X("jax_moe_combine", Combine)            \
   X("jax_moe_write_kv", WriteKv)           \

@@ -75,6 +75,45 @@ inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// Steps 3-6 in one call (expert_mlp): h = gather(x) @ w13^T, a = act(h),
+// out = a @ w2^T; d1 and d2 are the two GEMMs' dims.
+inline ffi::Error CheckExpertMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w13,
+                                 const ffi::AnyBuffer& w2, const ffi::Buffer<ffi::S32>& sizes,
+                                 const ffi::Buffer<ffi::S32>& rows, int64_t topk,
+                                 int64_t activation, bool gated, int64_t tile_m1, int64_t tile_m2,
+                                 const ffi::AnyBuffer& out, const ffi::AnyBuffer& h,
+                                 const ffi::AnyBuffer& a, GemmDims* d1, GemmDims* d2) {
+  auto xd = x.dimensions();
+  auto w1 = w13.dimensions();
+  auto w2d = w2.dimensions();
+  if (xd.size() != 2 || w1.size() != 3 || w2d.size() != 3)
+    return InvalidArg("expert_mlp: x must be (T, H), w13 (E, N, H) and w2 (E, H, I)");
+  const int64_t m = static_cast<int64_t>(rows.element_count());
+  const int64_t experts = w1[0], n1 = w1[1], hidden = xd[1];
+  if (gated && n1 % 2 != 0) return InvalidArg("expert_mlp: gated w13 must be (E, 2*I, H)");
+  const int64_t inter = gated ? n1 / 2 : n1;
+  if (w1[2] != hidden || w2d[0] != experts || w2d[1] != hidden || w2d[2] != inter)
+    return InvalidArg("expert_mlp: w13 must be (E, N, H) and w2 (E, H, I) for x (T, H)");
+  if (static_cast<int64_t>(sizes.element_count()) != experts)
+    return InvalidArg("expert_mlp: expert_sizes must have E entries");
+  const ffi::DataType t = x.element_type();
+  if (w13.element_type() != t || w2.element_type() != t || out.element_type() != t ||
+      h.element_type() != t || a.element_type() != t)
+    return InvalidArg("expert_mlp: x, the weights, the output and the scratch must share a dtype");
+  if (out.element_count() != static_cast<size_t>(m * hidden) ||
+      h.element_count() != static_cast<size_t>(m * n1) ||
+      a.element_count() != static_cast<size_t>(m * inter))
+    return InvalidArg("expert_mlp: out must be (M, H), the scratch (M, N) and (M, I)");
+  if (topk < 1 || topk > (int64_t{1} << 20)) return InvalidArg("expert_mlp: topk must be in [1, 2^20]");
+  if (activation < kSilu || activation > kGeluTanh) return InvalidArg("unknown activation code");
+  for (int64_t tm : {tile_m1, tile_m2})
+    if (tm != 8 && tm != 16 && tm != 32 && tm != 64 && tm != 128)
+      return InvalidArg("expert_mlp: tile_m must be 8, 16, 32, 64 or 128");
+  *d1 = {m, hidden, experts, n1, xd[0]};
+  *d2 = {m, inter, experts, hidden, m};
+  return ffi::Error::Success();
+}
+
 inline ffi::Error CheckTokenIndex(const ffi::Buffer<ffi::S32>& ids, int64_t num_experts,
                                   int64_t start_expert, const ffi::Buffer<ffi::S32>& src_to_dst,
                                   const ffi::Buffer<ffi::S32>& dst_to_src,

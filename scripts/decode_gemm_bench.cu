@@ -93,7 +93,7 @@ void LaunchTmaForced(const uint16_t* x, const uint16_t* w, const int32_t* sizes,
                       int64_t m, int64_t n, int64_t k, int64_t groups) {
   GemmArgs a = DenseArgs(m, n, k);
   bool ran = false;
-  LaunchTma<__nv_bfloat16, Consumers, Stages, KB>(0, x, w, sizes, out, a, groups, 0, &ran);
+  LaunchTma<__nv_bfloat16, Consumers, Stages, KB>(0, x, w, sizes, out, a, groups, 0, false, &ran);
   if (!ran) printf("tma kernel did not launch\n");
 }
 

@@ -41,10 +41,7 @@
 namespace jax_moe {
 namespace {
 
-__device__ __forceinline__ void PdlTrigger() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// PdlTrigger / PdlWait: csrc/cuda/cuda_common.cuh.
 
 enum Wait { kNoPdl = 0, kAtStart = 1, kAfterSchedule = 2, kAfterPrefetch = 3 };
 
@@ -74,7 +71,7 @@ __device__ __forceinline__ void PdlTile(const uint16_t* x, const uint16_t* w, ui
                                         const GemmArgs& a, const Tile& tile, int64_t n0) {
   if (W == kAfterPrefetch) PrefetchSlice(w, tile.expert, n0, a.n, a.k);
   if (W >= kAfterSchedule) PdlWait();
-  SkinnyTile<T, KT>(x, w, out, tile, a.src, n0, a.n, a.k);
+  SkinnyTile<T, KT>(x, w, out, tile, a.src, n0, a.n, a.k, [] {});
 }
 
 template <typename T, int W, bool Trigger>

@@ -27,7 +27,7 @@ def test_every_target_registered_for_every_built_platform():
     from jax_moe._ffi import HAS_CUDA, _ext
     regs = _ext.registrations()
     want = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expand",
-            "jax_moe_group_gemm", "jax_moe_gated_act", "jax_moe_combine",
+            "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_gated_act", "jax_moe_combine",
             "jax_moe_write_kv", "jax_moe_paged_decode", "jax_moe_fill_rows"}
     assert set(regs) == ({"cpu", "CUDA"} if HAS_CUDA else {"cpu"})
     for platform, targets in regs.items():
@@ -549,6 +549,71 @@ def test_group_gemm_decode_tiles_large(rng, tile_m, shape, pattern, dtype):
     _check_tile(rng, shape, pattern, tile_m, dtype)
 
 
+# expert_mlp: steps 3-6 in one call, with the bits of the three ops it
+# replaces, at every tile (on the GPU the w2 GEMM and the activation start
+# early by programmatic dependent launch), gated or not, every activation.
+# Shapes (T, H, I, E, topk): one token, I = 4 and 24 (off the column blocks),
+# H = 13 (K off 16-byte loads for the w13 GEMM), topk = E.
+EXPERT_MLP_SHAPES = [(1, 72, 4, 7, 2), (37, 136, 24, 6, 3), (5, 13, 9, 4, 4)]
+
+
+@dtypes
+@pytest.mark.parametrize("tiles", [None, (8, 8), (16, 8), (8, 32), (128, 64), (256, 8)], ids=str)
+@pytest.mark.parametrize("shape", EXPERT_MLP_SHAPES, ids=str)
+def test_expert_mlp_same_bits_as_three_ops(rng, shape, tiles, dtype):
+    tokens, hidden, inter, experts, topk = shape
+    x = normal(rng, (tokens, hidden), dtype)
+    w13 = normal(rng, (experts, 2 * inter, hidden), dtype, scale=hidden**-0.5)
+    w2 = normal(rng, (experts, hidden, inter), dtype, scale=inter**-0.5)
+    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
+    t1, t2 = (None, None) if tiles is None else tiles
+    got = ops.expert_mlp(x, w13, w2, sizes, d2s, topk, tile_m=tiles)
+    assert got.shape == (tokens * topk, hidden) and got.dtype == dtype
+    a = ops.gated_activation(ops.group_gemm_gather(x, w13, sizes, d2s, topk, tile_m=t1))
+    assert_equal(got, ops.group_gemm(a, w2, sizes, tile_m=t2), f"tiles={tiles}")
+    want = ref.group_gemm(ref.gated_activation(
+        ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w13, sizes)), w2, sizes)
+    assert_close(got, want, dtype, f"tiles={tiles} vs reference")
+    assert_close(reference.expert_mlp(x, w13, w2, sizes, d2s, topk), want, dtype, "twin")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("is_gated", [True, False], ids=["gated", "plain"])
+def test_expert_mlp_activations(rng, activation, is_gated):
+    tokens, hidden, inter, experts, topk = 37, 136, 24, 6, 3
+    x = normal(rng, (tokens, hidden), jnp.bfloat16)
+    up = 2 * inter if is_gated else inter
+    w13 = normal(rng, (experts, up, hidden), jnp.bfloat16, scale=hidden**-0.5)
+    w2 = normal(rng, (experts, hidden, inter), jnp.bfloat16, scale=inter**-0.5)
+    d2s, sizes = _gather_rows(rng, tokens, topk, experts)
+    got = ops.expert_mlp(x, w13, w2, sizes, d2s, topk, activation=activation, is_gated=is_gated)
+    h = ops.group_gemm_gather(x, w13, sizes, d2s, topk)
+    a = ops.gated_activation(h, activation) if is_gated else ops.activation(h, activation)
+    assert_equal(got, ops.group_gemm(a, w2, sizes), f"{activation}, gated={is_gated}")
+
+
+def test_expert_mlp_rejects_bad_args():
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    sizes = jnp.asarray([4, 4], jnp.int32)
+    d2s = jnp.arange(8, dtype=jnp.int32)
+    w13 = jnp.zeros((2, 6, 8), jnp.bfloat16)
+    for mod in (ops, reference):
+        with pytest.raises(ValueError, match="w2 must be"):
+            mod.expert_mlp(x, w13, jnp.zeros((2, 8, 4), jnp.bfloat16), sizes, d2s, 2)
+        with pytest.raises(ValueError, match="2\\*I"):
+            mod.expert_mlp(x, jnp.zeros((2, 7, 8), jnp.bfloat16),
+                           jnp.zeros((2, 8, 3), jnp.bfloat16), sizes, d2s, 2)
+        with pytest.raises(ValueError, match="activation"):
+            mod.expert_mlp(x, w13, jnp.zeros((2, 8, 3), jnp.bfloat16), sizes, d2s, 2,
+                           activation="relu")
+        with pytest.raises(TypeError, match="tile_m must be None or a pair"):
+            mod.expert_mlp(x, w13, jnp.zeros((2, 8, 3), jnp.bfloat16), sizes, d2s, 2, tile_m=8)
+        with pytest.raises((ValueError, TypeError), match="tile_m"):
+            mod.expert_mlp(x, w13, jnp.zeros((2, 8, 3), jnp.bfloat16), sizes, d2s, 2,
+                           tile_m=(8, 24))
+
+
 @pytest.mark.parametrize("tile_m, shape", [(16, (600, 136, 2600, 16)), (256, (2100, 200, 264, 4))],
                          ids=["tma", "sm90"])
 def test_group_gemm_is_bitwise_reproducible(rng, tile_m, shape):
@@ -851,11 +916,15 @@ ZERO_TOKEN_CALLS = {  # every op on T = 0 tokens (an empty local batch)
     "expand": lambda m: m.moe_expand_input(jnp.zeros((0, 16)), jnp.zeros((0,), jnp.int32), 2),
     "group_gemm": lambda m: m.group_gemm(jnp.zeros((0, 16)), jnp.zeros((8, 6, 16)),
                                          jnp.zeros((8,), jnp.int32)),
+    "expert_mlp": lambda m: m.expert_mlp(jnp.zeros((0, 16)), jnp.zeros((8, 6, 16)),
+                                         jnp.zeros((8, 16, 3)), jnp.zeros((8,), jnp.int32),
+                                         jnp.zeros((0,), jnp.int32), 2),
     "gated_act": lambda m: m.gated_activation(jnp.zeros((0, 6))),
     "combine": lambda m: m.moe_combine(jnp.zeros((0, 16)), jnp.zeros((0, 2)), jnp.zeros((0,), jnp.int32)),
 }
 ZERO_TOKEN_SHAPES = {"topk_softmax": [(0, 2), (0, 2)], "token_index": [(0,), (0,), (8,)],
-                     "expand": [(0, 16)], "group_gemm": [(0, 6)], "gated_act": [(0, 3)],
+                     "expand": [(0, 16)], "group_gemm": [(0, 6)], "expert_mlp": [(0, 16)],
+                     "gated_act": [(0, 3)],
                      "combine": [(0, 16)]}
 
 
@@ -877,6 +946,7 @@ TARGETS = {
     "token_index": "jax_moe_token_index",
     "expand": "jax_moe_expand",
     "group_gemm": "jax_moe_group_gemm",
+    "expert_mlp": "jax_moe_expert_mlp",
     "gated_act": "jax_moe_gated_act",
     "combine": "jax_moe_combine",
 }
@@ -911,6 +981,16 @@ def op_case(name, rng, dtype, batch=None):
             normal(rng, lead + (m, hidden), dtype),
             normal(rng, lead + (experts, 2 * inter, hidden), dtype, 1 / np.sqrt(hidden)),
             stack(lambda: split_rows(rng, m, experts, "empty_middle")))
+    if name == "expert_mlp":
+        idx = [index() for _ in per]  # sizes and dst_to_src of one routing per element
+
+        def part(j):
+            return idx[0][j] if batch is None else jnp.stack([jnp.asarray(i[j]) for i in idx])
+        return functools.partial(ops.expert_mlp, topk=k), (
+            normal(rng, lead + (tokens, hidden), dtype),
+            normal(rng, lead + (experts, 2 * inter, hidden), dtype, 1 / np.sqrt(hidden)),
+            normal(rng, lead + (experts, hidden, inter), dtype, 1 / np.sqrt(inter)),
+            part(2), part(1))
     if name.startswith("gated_act"):
         activation = name.split(":")[1] if ":" in name else "silu"
         return functools.partial(ops.gated_activation, activation=activation), (

@@ -374,7 +374,9 @@ def test_one_gpu_mesh_uses_cuda_kernels(rng, dtype):
     mesh = Mesh(np.asarray([gpu]).reshape(1, 1), ("ep", "tp"))
     x, logits, w13, w2 = (jax.device_put(a, gpu) for a in make_inputs(rng, 37, dtype))
     hlo = _sharded.lower(x, logits, w13, w2, topk=K, mesh=mesh).compile().as_text()
-    assert "jax_moe_group_gemm" in hlo and "jax_moe_token_index" in hlo
+    # steps 3-6: one call, or three where the tuned tile is the sm90 kernel's
+    assert ("jax_moe_expert_mlp" in hlo or "jax_moe_group_gemm" in hlo), hlo[-2000:]
+    assert "jax_moe_token_index" in hlo
     got = _sharded(x, logits, w13, w2, topk=K, mesh=mesh)
     assert got.devices() == {gpu}
     with jax.default_device(gpu):

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu/act_math.h"
 #include "cpu/parallel_for.h"
 #include "ffi_common.h"
 #include "ops.h"
@@ -97,7 +98,49 @@ ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   });
 }
 
+// Steps 3-6 in one call: the three ops of the CUDA handler, one after the
+// other (the same bits as group_gemm, the activation and group_gemm).
+ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                        ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> expert_sizes,
+                        ffi::Buffer<ffi::S32> rows, int64_t topk, int64_t activation, bool gated,
+                        int64_t tile_m1, int64_t tile_m2, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a) {
+  GemmDims d1, d2;
+  if (auto err = CheckExpertMlp(x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
+                                tile_m2, *out, *h, *a, &d1, &d2);
+      err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() {
+    using S = HostScalar<DT>;
+    const int32_t* sizes = expert_sizes.typed_data();
+    GroupGemm<DT>(pool, x.untyped_data(), w13.untyped_data(), sizes, d1, rows.typed_data(), topk,
+                  h->untyped_data());
+    ActRows<S>(static_cast<const typename S::Storage*>(h->untyped_data()), d1.m, d1.n, d2.k,
+               activation, gated, static_cast<typename S::Storage*>(a->untyped_data()));
+    GroupGemm<DT>(pool, a->untyped_data(), w2.untyped_data(), sizes, d2, nullptr, 1,
+                  out->untyped_data());
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Arg<ffi::AnyBuffer>()   // w13
+                                  .Arg<ffi::AnyBuffer>()   // w2
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("activation")
+                                  .Attr<bool>("gated")
+                                  .Attr<int64_t>("tile_m1")
+                                  .Attr<int64_t>("tile_m2")
+                                  .Ret<ffi::AnyBuffer>()    // out
+                                  .Ret<ffi::AnyBuffer>()    // h (scratch)
+                                  .Ret<ffi::AnyBuffer>());  // a (scratch)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
                               ffi::Ffi::Bind()

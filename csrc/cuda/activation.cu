@@ -1,5 +1,6 @@
 // Step 5 on the GPU: act(h[r, :I]) * h[r, I:] (gated) or act(h[r, :]) in f32,
 // 16-byte accesses when I allows, grid-stride over rows x I.
+#include "cuda/activation.cuh"
 #include "cuda/cuda_common.cuh"
 #include "ops.h"
 #include "shape_checks.h"
@@ -27,6 +28,8 @@ __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
   using T = typename S::T;
   const int64_t per_row = inter / VEC;
   const int64_t total = rows * per_row;
+  PdlTrigger();
+  PdlWait();  // in may be the previous kernel's output
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / per_row;
@@ -56,25 +59,34 @@ __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
 }
 
 template <ffi::DataType DT, int ACT, bool GATED>
-void LaunchAct(cudaStream_t stream, const void* in, int64_t rows, int64_t inter, void* out) {
+cudaError_t LaunchAct(cudaStream_t stream, const void* in, int64_t rows, int64_t inter, void* out,
+                      bool pdl) {
   using T = typename DevScalar<DT>::T;
   constexpr int kVec = 16 / sizeof(T);
   const auto* ip = static_cast<const T*>(in);
   auto* op = static_cast<T*>(out);
-  if (inter % kVec == 0) {
-    GatedActKernel<DT, ACT, GATED, kVec><<<GridFor(rows * inter / kVec, 256), 256, 0, stream>>>(
-        ip, rows, inter, op);
-  } else {
-    GatedActKernel<DT, ACT, GATED, 1><<<GridFor(rows * inter, 256), 256, 0, stream>>>(
-        ip, rows, inter, op);
-  }
+  if (inter % kVec == 0)
+    return LaunchKernel(GatedActKernel<DT, ACT, GATED, kVec>, GridFor(rows * inter / kVec, 256),
+                        256, 0, stream, pdl, ip, rows, inter, op);
+  return LaunchKernel(GatedActKernel<DT, ACT, GATED, 1>, GridFor(rows * inter, 256), 256, 0,
+                      stream, pdl, ip, rows, inter, op);
 }
 
 template <ffi::DataType DT, int ACT>
-void LaunchGated(cudaStream_t stream, bool gated, const void* in, int64_t rows, int64_t inter,
-                 void* out) {
-  if (gated) LaunchAct<DT, ACT, true>(stream, in, rows, inter, out);
-  else LaunchAct<DT, ACT, false>(stream, in, rows, inter, out);
+cudaError_t LaunchGated(cudaStream_t stream, bool gated, const void* in, int64_t rows,
+                        int64_t inter, void* out, bool pdl) {
+  if (gated) return LaunchAct<DT, ACT, true>(stream, in, rows, inter, out, pdl);
+  return LaunchAct<DT, ACT, false>(stream, in, rows, inter, out, pdl);
+}
+
+template <ffi::DataType DT>
+cudaError_t LaunchActivationT(cudaStream_t stream, int64_t activation, bool gated, const void* in,
+                              int64_t rows, int64_t inter, void* out, bool pdl) {
+  switch (activation) {
+    case kGeluExact: return LaunchGated<DT, kGeluExact>(stream, gated, in, rows, inter, out, pdl);
+    case kGeluTanh: return LaunchGated<DT, kGeluTanh>(stream, gated, in, rows, inter, out, pdl);
+    default: return LaunchGated<DT, kSilu>(stream, gated, in, rows, inter, out, pdl);
+  }
 }
 
 ffi::Error GatedActCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activation, bool gated,
@@ -84,18 +96,30 @@ ffi::Error GatedActCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activatio
   const int64_t rows = d.rows, inter = d.inter;
   if (rows * inter == 0) return ffi::Error::Success();
   return DispatchFloat(h.element_type(), "h", [&]<ffi::DataType DT>() {
-    const void* in = h.untyped_data();
-    void* o = out->untyped_data();
-    switch (activation) {
-      case kGeluExact: LaunchGated<DT, kGeluExact>(stream, gated, in, rows, inter, o); break;
-      case kGeluTanh: LaunchGated<DT, kGeluTanh>(stream, gated, in, rows, inter, o); break;
-      default: LaunchGated<DT, kSilu>(stream, gated, in, rows, inter, o);
-    }
-    return LastCudaError("activation launch");
+    return CudaError(LaunchActivationT<DT>(stream, activation, gated, h.untyped_data(), rows,
+                                           inter, out->untyped_data(), false),
+                     "activation launch");
   });
 }
 
 }  // namespace
+
+cudaError_t LaunchActivation(cudaStream_t stream, ffi::DataType dtype, int64_t activation,
+                             bool gated, const void* in, int64_t rows, int64_t inter, void* out,
+                             bool pdl) {
+  if (rows * inter == 0) return cudaSuccess;
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return LaunchActivationT<ffi::DataType::F32>(stream, activation, gated, in, rows, inter, out,
+                                                   pdl);
+    case ffi::DataType::BF16:
+      return LaunchActivationT<ffi::DataType::BF16>(stream, activation, gated, in, rows, inter,
+                                                    out, pdl);
+    default:
+      return LaunchActivationT<ffi::DataType::F16>(stream, activation, gated, in, rows, inter, out,
+                                                   pdl);
+  }
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatedActCuda, GatedActCuda,
                               ffi::Ffi::Bind()

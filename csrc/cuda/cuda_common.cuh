@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "ffi_common.h"
 
@@ -195,12 +196,12 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // Error after a launch: returned to XLA, never thrown or aborted.
-inline ffi::Error LastCudaError(const char* what) {
-  cudaError_t err = cudaGetLastError();
+inline ffi::Error CudaError(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_moe: ") + what + ": " + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
+inline ffi::Error LastCudaError(const char* what) { return CudaError(cudaGetLastError(), what); }
 
 // Opting a kernel in to more than 48 KB of dynamic shared memory is a
 // per-device function attribute, not a stream operation: done once per device
@@ -274,6 +275,41 @@ inline int DeviceMajor() {
                ? major
                : 0;
   });
+}
+
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and for a kernel
+// launched without the attribute). A kernel calls PdlTrigger() once it may
+// let the next kernel of its stream start (every kernel here: at its start;
+// the next one still waits for it in PdlWait), and PdlWait() before it first
+// reads what the previous kernel wrote.
+__device__ __forceinline__ void PdlTrigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void PdlWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Launches `kernel` on `stream`; with `pdl`, with programmatic stream
+// serialisation: it may start while the stream's previous kernel runs (its
+// PdlWait waits for that kernel's completion and writes).
+template <typename... Params, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl ? &attr : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }

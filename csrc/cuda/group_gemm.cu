@@ -61,6 +61,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_common.cuh"
+#include "cuda/group_gemm.cuh"
 #include "ffi_common.h"
 #include "ops.h"
 #include "shape_checks.h"
@@ -586,9 +587,12 @@ __global__ void __launch_bounds__(kThreads, MmaTile<BM, BN>::kMinBlocks)
                       const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                       GemmArgs a) {
   extern __shared__ __align__(128) unsigned char smem16[];
+  PdlTrigger();
   ForEachTile<BM, BN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    PdlWait();  // x may be the previous kernel's output
     GemmTile16<T, BM, BN>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
   });
+  PdlWait();  // a block without tiles too: this grid ends after its primary
 }
 
 // ---------------------------------------------------------------------------
@@ -618,10 +622,13 @@ __device__ __forceinline__ uint4 LdgStream(const void* p) {
 }
 
 // KT: k steps per trip of the load loop (KT x 5 16-byte loads in flight per lane).
-template <typename T, int KT>
+// before_x() runs once per warp between its first trip's weight loads and its
+// first token-row loads: a kernel launched with PDL waits there for the kernel
+// that writes x, with its first weights already in flight.
+template <typename T, int KT, typename BeforeX>
 __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                            uint16_t* __restrict__ out, const Tile& tile, const RowSource& src,
-                           int64_t n0, int64_t n, int64_t k) {
+                           int64_t n0, int64_t n, int64_t k, BeforeX&& before_x) {
   __shared__ float red[kSKW][kSBN][kSR];
   const int wk = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -646,13 +653,17 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[i][q] = 0.f;
 
-  auto load = [&](int64_t s, uint4& xa, uint4 (&wv)[4]) {
-    const int64_t k0 = s * kSKStep;
-    const bool kin = s < ksteps && k0 + 8 * t < k;  // K % 8 == 0: whole chunk or none
-    xa = kin && xrow ? __ldg(reinterpret_cast<const uint4*>(xrow + k0)) : make_uint4(0, 0, 0, 0);
+  // K % 8 == 0: a lane's 16-byte chunk of k step s is whole or past K.
+  auto kin = [&](int64_t s) { return s < ksteps && s * kSKStep + 8 * t < k; };
+  auto load_w = [&](int64_t s, uint4 (&wv)[4]) {
+    const bool in = kin(s);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      wv[j] = kin && wrow[j] ? LdgStream(wrow[j] + k0) : make_uint4(0, 0, 0, 0);
+      wv[j] = in && wrow[j] ? LdgStream(wrow[j] + s * kSKStep) : make_uint4(0, 0, 0, 0);
+  };
+  auto load_x = [&](int64_t s, uint4& xa) {
+    xa = kin(s) && xrow ? __ldg(reinterpret_cast<const uint4*>(xrow + s * kSKStep))
+                        : make_uint4(0, 0, 0, 0);
   };
   auto math = [&](const uint4& xa, const uint4 (&wv)[4]) {
 #pragma unroll
@@ -665,10 +676,17 @@ __device__ void SkinnyTile(const uint16_t* __restrict__ x, const uint16_t* __res
       Mma16816<T>(acc[i], a1, xa.z, xa.w);
     }
   };
+  bool first = true;
   for (int64_t s = wk; s < ksteps; s += KT * kSKW) {
     uint4 xa[KT], wv[KT][4];
 #pragma unroll
-    for (int q = 0; q < KT; ++q) load(s + q * kSKW, xa[q], wv[q]);
+    for (int q = 0; q < KT; ++q) load_w(s + q * kSKW, wv[q]);
+    if (first) {
+      before_x();
+      first = false;
+    }
+#pragma unroll
+    for (int q = 0; q < KT; ++q) load_x(s + q * kSKW, xa[q]);
 #pragma unroll
     for (int q = 0; q < KT; ++q) math(xa[q], wv[q]);
   }
@@ -704,9 +722,11 @@ __global__ void __launch_bounds__(kThreads, 3)
     GroupGemmSkinnyKernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                           const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                           GemmArgs a) {
+  PdlTrigger();
   ForEachTile<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    SkinnyTile<T, 2>(x, w, out, tile, a.src, n0, a.n, a.k);
+    SkinnyTile<T, 2>(x, w, out, tile, a.src, n0, a.n, a.k, [] { PdlWait(); });
   });
+  PdlWait();  // a block without tiles too: this grid ends after its primary
 }
 
 // Persistent (large launches): 4 blocks per SM of one k step per trip kept
@@ -717,9 +737,11 @@ __global__ void __launch_bounds__(kThreads, 4)
                                     const uint16_t* __restrict__ w,
                                     const int32_t* __restrict__ sizes,
                                     uint16_t* __restrict__ out, GemmArgs a) {
+  PdlTrigger();
   ForEachTilePersistent<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k);
+    SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k, [] { PdlWait(); });
   });
+  PdlWait();  // a block without tiles too: this grid ends after its primary
 }
 
 // ---------------------------------------------------------------------------
@@ -767,6 +789,7 @@ __global__ void __launch_bounds__(TmaCfg<Consumers, Stages, KB>::kThreads)
   __shared__ uint64_t full[Stages], empty[Stages];
   __shared__ PersistSchedule sch;
   __shared__ int64_t s_sums[Consumers + 1];
+  PdlTrigger();
   ScanSchedule<C::kRows, Consumers + 1>(a, sizes, sch, s_sums);
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
@@ -790,11 +813,34 @@ __global__ void __launch_bounds__(TmaCfg<Consumers, Stages, KB>::kThreads)
   };
   if (warp == Consumers) {  // producer
     const uint64_t policy = L2EvictFirst();
-    for (int64_t id = blockIdx.x; id < real; id += gridDim.x) {
+    auto tile_wrow = [&](int64_t id, Tile* tile) {  // the tile of `id`, its first weight row
       int64_t mslot, ntile;
       DecodeBlock(id, sch.tiles, a.ntiles, &mslot, &ntile);
-      const Tile tile = PersistTile<C::kRows>(sch, num_e, mslot);
-      const int wrow = static_cast<int>(tile.expert * a.n + ntile * C::kCols);
+      *tile = PersistTile<C::kRows>(sch, num_e, mslot);
+      return static_cast<int>(tile->expert * a.n + ntile * C::kCols);
+    };
+    auto issue_w = [&](int st_idx, int64_t k0, int wrow) {  // lane 0: one stage's weight boxes
+      const int boxes = static_cast<int>(Min64(KB, CeilDiv(a.k - k0, 64)));
+      MbarArriveExpectTx(&full[st_idx], boxes * C::kBoxBytes);
+      for (int b = 0; b < boxes; ++b)
+        TmaLoad2D(ring + st_idx * C::kStageBytes + b * C::kBoxBytes, &wmap,
+                  static_cast<int>(k0) + 64 * b, wrow, &full[st_idx], policy);
+    };
+    // The first tile's first stages of weights go out before the wait for
+    // the kernel that writes x (launched with PDL, this block may start while
+    // it runs); the ring starts empty, so stage s holds k step s.
+    int64_t ahead = 0;
+    if (blockIdx.x < real) {
+      Tile first;
+      const int wrow = tile_wrow(blockIdx.x, &first);
+      ahead = Min64(Stages, ksteps);
+      if (lane == 0)
+        for (int s = 0; s < ahead; ++s) issue_w(s, s * C::kKC, wrow);
+    }
+    PdlWait();  // x may be the previous kernel's output
+    for (int64_t id = blockIdx.x; id < real; id += gridDim.x) {
+      Tile tile;
+      const int wrow = tile_wrow(id, &tile);
       // Token chunks of this lane: chunk q = lane + 32 i is row q / (kKC/8),
       // 16-byte column q % (kKC/8); rows past the tile and zero rows read nothing.
       const uint16_t* xsrc[C::kXChunks / 32];
@@ -809,15 +855,10 @@ __global__ void __launch_bounds__(TmaCfg<Consumers, Stages, KB>::kThreads)
       }
       for (int64_t ks = 0; ks < ksteps; ++ks) {
         const int64_t k0 = ks * C::kKC;
-        const int boxes = static_cast<int>(Min64(KB, CeilDiv(a.k - k0, 64)));
         MbarWait(&empty[stage], phase ^ 1u);  // the first round passes: the ring starts empty
         unsigned char* st = ring + stage * C::kStageBytes;
-        if (lane == 0) {
-          MbarArriveExpectTx(&full[stage], boxes * C::kBoxBytes);
-          for (int b = 0; b < boxes; ++b)
-            TmaLoad2D(st + b * C::kBoxBytes, &wmap, static_cast<int>(k0) + 64 * b, wrow,
-                      &full[stage], policy);
-        }
+        if (ahead > 0) --ahead;  // issued before the wait
+        else if (lane == 0) issue_w(stage, k0, wrow);
 #pragma unroll
         for (int i = 0; i < C::kXChunks / 32; ++i) {
           const int64_t kk = k0 + (lane + 32 * i) % (C::kKC / 8) * 8;
@@ -1040,9 +1081,12 @@ __device__ void GemmTileF32(const float* __restrict__ x, const float* __restrict
 __global__ void __launch_bounds__(kThreads, 2)
     GroupGemmF32Kernel(const float* __restrict__ x, const float* __restrict__ w,
                        const int32_t* __restrict__ sizes, float* __restrict__ out, GemmArgs a) {
+  PdlTrigger();
   ForEachTile<kBMf, kBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
+    PdlWait();  // x may be the previous kernel's output
     GemmTileF32(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out);
   });
+  PdlWait();  // a block without tiles too: this grid ends after its primary
 }
 
 // ---------------------------------------------------------------------------
@@ -1062,14 +1106,14 @@ inline unsigned Schedule(GemmArgs& a, int64_t groups, int64_t bm, int64_t bn) {
 
 template <typename T, int BM, int BN>
 cudaError_t LaunchMma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
-                      const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups) {
+                      const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups,
+                      bool pdl) {
   const cudaError_t attr =
       EnsureDynamicSmem<GroupGemm16Kernel<T, BM, BN>>(MmaTile<BM, BN>::kSmem);
   if (attr != cudaSuccess) return attr;
   const unsigned grid = Schedule(a, groups, BM, BN);
-  GroupGemm16Kernel<T, BM, BN>
-      <<<grid, kThreads, MmaTile<BM, BN>::kSmem, stream>>>(x, w, sizes, out, a);
-  return cudaGetLastError();
+  return LaunchKernel(GroupGemm16Kernel<T, BM, BN>, grid, kThreads, MmaTile<BM, BN>::kSmem,
+                      stream, pdl, x, w, sizes, out, a);
 }
 
 // cuTensorMapEncodeTiled from the driver, found once through the runtime (no
@@ -1111,7 +1155,7 @@ constexpr int64_t kTmaLongK = 8192;
 template <typename T, int Consumers, int Stages, int KB>
 cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
                       const int32_t* sizes, uint16_t* out, GemmArgs a, int64_t groups,
-                      int64_t min_per_sm, bool* ran) {
+                      int64_t min_per_sm, bool pdl, bool* ran) {
   using C = TmaCfg<Consumers, Stages, KB>;
   constexpr auto kernel = GroupGemmTmaKernel<T, Consumers, Stages, KB>;
   *ran = false;
@@ -1137,10 +1181,9 @@ cudaError_t LaunchTma(cudaStream_t stream, const uint16_t* x, const uint16_t* w,
              box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaSuccess;
-  kernel<<<static_cast<unsigned>(resident), C::kThreads, C::kSmem, stream>>>(wmap, x, sizes, out,
-                                                                              a);
   *ran = true;
-  return cudaGetLastError();
+  return LaunchKernel(kernel, static_cast<unsigned>(resident), C::kThreads, C::kSmem, stream, pdl,
+                      wmap, x, sizes, out, a);
 }
 
 // The TMA kernel's shape: 128 columns, 4 stages of one 64-k box, 2 blocks
@@ -1159,10 +1202,12 @@ constexpr int64_t kTmaMinPerSm = 6;
 // Launches the kernel for one dtype and tile on `stream`; nothing else (no
 // sync, no allocation). m > 0 and n > 0. tile_m is 8, 16, 32, 64 or 128 (256
 // is resolved by the caller).
+// pdl: launched with programmatic stream serialisation (after another
+// kernel of this call, whose output it may read).
 template <ffi::DataType DT>
 cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
                             const int32_t* sizes, void* out, const GemmDims& d,
-                            const int32_t* rows, int64_t topk, int64_t tile_m) {
+                            const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl = false) {
   GemmArgs a{};
   a.m = d.m;
   a.n = d.n;
@@ -1175,8 +1220,7 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
     a.vec_in = d.k % 4 == 0 && Aligned16(xp) && Aligned16(wp);
     a.vec_out = d.n % 4 == 0 && Aligned16(op);
     const unsigned grid = Schedule(a, d.groups, kBMf, kBN);  // f32: one tile shape
-    GroupGemmF32Kernel<<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, a);
-    return cudaGetLastError();
+    return LaunchKernel(GroupGemmF32Kernel, grid, kThreads, 0, stream, pdl, xp, wp, sizes, op, a);
   } else {
     using T = std::conditional_t<DT == ffi::DataType::BF16, __nv_bfloat16, __half>;
     const auto* xp = static_cast<const uint16_t*>(x);
@@ -1196,7 +1240,7 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
           d.groups * d.n < kCoordMax && d.k < kCoordMax) {
         bool ran = false;
         const cudaError_t err = LaunchTma<T, kTmaConsumers, kTmaStages, kTmaBoxes>(
-            stream, xp, wp, sizes, op, a, d.groups, kTmaMinPerSm, &ran);
+            stream, xp, wp, sizes, op, a, d.groups, kTmaMinPerSm, pdl, &ran);
         if (err != cudaSuccess || ran) return err;
       }
       tile_m = 8;
@@ -1208,23 +1252,21 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
         if (resident > 0 && PersistScheduleFits(d.groups, d.m) &&
             (a.total_blocks >= kPersistWaves * resident ||
              SkinnyPersistentWins(a, d.groups, ResidentBlocks<GroupGemmSkinnyKernel<T>>(kThreads),
-                                  resident))) {
-          GroupGemmSkinnyPersistentKernel<T>
-              <<<static_cast<unsigned>(resident), kThreads, 0, stream>>>(xp, wp, sizes, op, a);
-        } else {
-          GroupGemmSkinnyKernel<T><<<grid, kThreads, 0, stream>>>(xp, wp, sizes, op, a);
-        }
-        return cudaGetLastError();
+                                  resident)))
+          return LaunchKernel(GroupGemmSkinnyPersistentKernel<T>, static_cast<unsigned>(resident),
+                              kThreads, 0, stream, pdl, xp, wp, sizes, op, a);
+        return LaunchKernel(GroupGemmSkinnyKernel<T>, grid, kThreads, 0, stream, pdl, xp, wp,
+                            sizes, op, a);
       }
       case 32:
-        return LaunchMma<T, 32, kBN>(stream, xp, wp, sizes, op, a, d.groups);
+        return LaunchMma<T, 32, kBN>(stream, xp, wp, sizes, op, a, d.groups, pdl);
       case 64:
-        return LaunchMma<T, 64, kBN>(stream, xp, wp, sizes, op, a, d.groups);
+        return LaunchMma<T, 64, kBN>(stream, xp, wp, sizes, op, a, d.groups, pdl);
       default:
         // 128 x 256 (64 x 64 warp tiles) ran correct but no faster than 128 x
         // 128 on the H200 (run G in benchmarks/RESULTS.md): one block per SM
         // hides less latency. MmaTile keeps the BN parameter for the next try.
-        return LaunchMma<T, 128, kBN>(stream, xp, wp, sizes, op, a, d.groups);
+        return LaunchMma<T, 128, kBN>(stream, xp, wp, sizes, op, a, d.groups, pdl);
     }
   }
 }
@@ -1280,6 +1322,22 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 }
 
 }  // namespace
+
+cudaError_t LaunchGroupGemmFor(cudaStream_t stream, ffi::DataType dtype, const void* x,
+                               const void* w, const int32_t* sizes, void* out, const GemmDims& d,
+                               const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return LaunchGroupGemm<ffi::DataType::F32>(stream, x, w, sizes, out, d, rows, topk, tile_m,
+                                                 pdl);
+    case ffi::DataType::BF16:
+      return LaunchGroupGemm<ffi::DataType::BF16>(stream, x, w, sizes, out, d, rows, topk, tile_m,
+                                                  pdl);
+    default:
+      return LaunchGroupGemm<ffi::DataType::F16>(stream, x, w, sizes, out, d, rows, topk, tile_m,
+                                                 pdl);
+  }
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCuda, GroupGemmCuda,
                               ffi::Ffi::Bind()

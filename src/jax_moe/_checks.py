@@ -136,6 +136,34 @@ def group_gemm_args(x, w, expert_sizes) -> None:
             f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
 
 
+def tile_pair(value) -> tuple:
+    """expert_mlp's tile_m: None, or (w13's, w2's) tile_m (each None or one of TILE_M)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"tile_m must be None or a pair (w13's, w2's), got {value!r}")
+    return tile_m(value[0]), tile_m(value[1])
+
+
+def expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk_value, activation_name: str,
+                    is_gated: bool) -> tuple[int, int]:
+    """(topk, activation code) of expert_mlp's arguments, checked."""
+    k = expand_args(x, dst_to_src, topk_value)
+    group_gemm_args(x, w13, expert_sizes)
+    code = activation(activation_name)
+    if not isinstance(is_gated, bool):
+        raise TypeError(f"is_gated must be a bool, got {type(is_gated).__name__}")
+    rank(w2, "w2", 3)
+    same_dtype(x, "x", w2, "w2")
+    experts, up_width, hidden = w13.shape
+    if is_gated and up_width % 2:
+        raise ValueError(f"w13's second dimension must be 2*I (even) when gated, got {w13.shape}")
+    inter = up_width // 2 if is_gated else up_width
+    if w2.shape != (experts, hidden, inter):
+        raise ValueError(f"w2 must be (E={experts}, H={hidden}, I={inter}), got {w2.shape}")
+    return k, code
+
+
 # group_gemm's rows per tile. 8: the decode kernel; 16: the TMA decode kernel
 # where it can run, else the same as 8; 32, 64, 128: the mma.sync tile kernel;
 # 256: the CUTLASS sm90 kernel (wgmma + TMA; 64x128, 128x128 or 128x256

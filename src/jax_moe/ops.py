@@ -22,6 +22,7 @@ __all__ = [
     "moe_expand_input",
     "group_gemm",
     "group_gemm_gather",
+    "expert_mlp",
     "gated_activation",
     "activation",
     "silu_and_mul",
@@ -154,6 +155,41 @@ def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int 
     k = _checks.expand_args(x, dst_to_src, topk)
     _checks.group_gemm_args(x, w, expert_sizes)
     return _group_gemm_call(x, w, expert_sizes, dst_to_src, k, tile_m, dst_to_src.shape[0])
+
+
+def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
+               is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 3-6 in one call: group_gemm(act(group_gemm_gather(x, w13,
+    expert_sizes, dst_to_src, topk)), w2, expert_sizes), with the same bits as
+    those ops (act: gated_activation or activation). x (T, H) tokens, w13
+    (E, 2*I, H) (gated) or (E, I, H), w2 (E, H, I), dst_to_src (M,) -> (M, H).
+
+    One call instead of three: on a compute capability 9.0+ GPU the
+    activation and w2 kernels are launched with programmatic dependent launch,
+    so that each starts while the previous one finishes (under XLA's command
+    buffers that only works inside one custom call). tile_m: (w13's, w2's)
+    tile_m as in group_gemm, None for the tuned choice; where either is 256
+    (the CUTLASS kernel) the three ops run as separate calls."""
+    k, code = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
+                                      is_gated)
+    t1, t2 = _checks.tile_pair(tile_m)
+    experts, n1, hidden = w13.shape
+    inter = w2.shape[2]
+    m = dst_to_src.shape[0]
+    t1 = tuning.group_gemm_tile_m(m, experts, n1, hidden, x.dtype, t1)
+    t2 = tuning.group_gemm_tile_m(m, experts, hidden, inter, x.dtype, t2)
+    if tuning.SM90_TILE in (t1, t2):
+        h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, t1, m)
+        a = _activation_call(h, activation, is_gated)
+        return _group_gemm_call(a, w2, expert_sizes, None, 1, t2, m)
+    call = jax.ffi.ffi_call(
+        "jax_moe_expert_mlp",
+        (_sds((m, hidden), x.dtype), _sds((m, n1), x.dtype), _sds((m, inter), x.dtype)),
+        vmap_method="sequential")
+    out, _, _ = call(x, w13, w2, expert_sizes.astype(jnp.int32), dst_to_src.astype(jnp.int32),
+                     topk=np.int64(k), activation=np.int64(code), gated=bool(is_gated),
+                     tile_m1=np.int64(t1), tile_m2=np.int64(t2))
+    return out
 
 
 def _activation_call(h, name: str, gated: bool):

@@ -361,9 +361,8 @@ def _local_experts(impl, x, weights, local_ids, w13, w2, plan: _Plan):
     # local: at most N * min(k, E_loc) rows are placed, and dst_to_src is -1
     # past them. Shorter buffers for the GEMMs when E_loc < k.
     rows = x.shape[0] * min(k, e_loc)
-    h = impl.group_gemm_gather(x, w13, sizes, dst_to_src[:rows], k)  # steps 3 + 4
-    a = impl.gated_activation(h, plan.activation)
-    y = impl.group_gemm(a, w2, sizes)
+    y = impl.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
+                        activation=plan.activation)
     return impl.moe_combine(y, weights, src_to_dst)
 
 

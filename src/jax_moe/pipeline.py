@@ -104,9 +104,8 @@ def _layer(impl, st: _Static, a: dict):
         e_score_correction_bias=a["e_score_correction_bias"],
         routed_scaling_factor=st.routed_scaling_factor)
     src_to_dst, dst_to_src, sizes = impl.moe_compute_token_index(ids, experts)
-    h = impl.group_gemm_gather(x, w13, sizes, dst_to_src, st.topk)  # steps 3 + 4
-    act = impl.gated_activation(h, st.activation) if st.is_gated else impl.activation(h, st.activation)
-    y = impl.group_gemm(act, a["w2"], sizes)
+    y = impl.expert_mlp(x, w13, a["w2"], sizes, dst_to_src, st.topk,  # steps 3-6
+                        activation=st.activation, is_gated=st.is_gated)
     out = impl.moe_combine(y, weights, src_to_dst)
 
     extra = None

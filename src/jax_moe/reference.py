@@ -19,6 +19,7 @@ __all__ = [
     "moe_expand_input",
     "group_gemm",
     "group_gemm_gather",
+    "expert_mlp",
     "gated_activation",
     "activation",
     "silu_and_mul",
@@ -127,6 +128,17 @@ def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int 
     """Steps 3 and 4: group_gemm of the expanded rows of x."""
     _checks.group_gemm_args(x, w, expert_sizes)
     return group_gemm(moe_expand_input(x, dst_to_src, topk), w, expert_sizes, tile_m=tile_m)
+
+
+def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
+               is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 3-6: the w13 GEMM of the expanded rows, the activation, the w2 GEMM."""
+    k, _ = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
+                                   is_gated)
+    t1, t2 = _checks.tile_pair(tile_m)
+    h = group_gemm_gather(x, w13, expert_sizes, dst_to_src, k, tile_m=t1)
+    a = gated_activation(h, activation) if is_gated else globals()["activation"](h, activation)
+    return group_gemm(a, w2, expert_sizes, tile_m=t2)
 
 
 def _act(g, activation: str):

@@ -1,0 +1,75 @@
+// Steps 3-6 on the GPU in one call (ops.expert_mlp): the w13 GEMM of the
+// gathered rows, the activation and the w2 GEMM, the grouped GEMM's and the
+// activation's own launchers one after the other.
+#include "cuda/activation.cuh"
+#include "cuda/cuda_common.cuh"
+#include "cuda/group_gemm.cuh"
+#include "ops.h"
+#include "shape_checks.h"
+
+namespace jax_moe {
+namespace {
+
+// Steps 3-6 in one call: the w13 GEMM (gathered rows) into h, the
+// activation into a, the w2 GEMM into out. On sm_90+ the second and third
+// kernels are launched with programmatic dependent launch: each may start
+// (its launch, tile schedule) while the previous one finishes, and waits for
+// it before reading its output. Under XLA's command buffers that edge only
+// exists inside one call (scripts/pdl_bench.cu).
+ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                         ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> expert_sizes,
+                         ffi::Buffer<ffi::S32> rows, int64_t topk, int64_t activation, bool gated,
+                         int64_t tile_m1, int64_t tile_m2, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a) {
+  GemmDims d1, d2;
+  if (auto err = CheckExpertMlp(x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
+                                tile_m2, *out, *h, *a, &d1, &d2);
+      err.failure())
+    return err;
+  if (d1.m == 0 || d2.n == 0) return ffi::Error::Success();  // nothing to write
+  const bool pdl = DeviceMajor() >= 9;
+  const int32_t* sizes = expert_sizes.typed_data();
+  return DispatchFloat(x.element_type(), "x", [&]<ffi::DataType DT>() -> ffi::Error {
+    if (d1.n > 0) {
+      if (auto e = CudaError(LaunchGroupGemmFor(stream, DT, x.untyped_data(), w13.untyped_data(),
+                                                sizes, h->untyped_data(), d1, rows.typed_data(),
+                                                topk, tile_m1, false),
+                             "expert_mlp w13 launch");
+          e.failure())
+        return e;
+      if (auto e = CudaError(LaunchActivation(stream, DT, activation, gated, h->untyped_data(),
+                                              d1.m, d2.k, a->untyped_data(), pdl),
+                             "expert_mlp activation launch");
+          e.failure())
+        return e;
+    }
+    // With I = 0 the w2 GEMM sums nothing: out is zero (K = 0 in every kernel).
+    return CudaError(LaunchGroupGemmFor(stream, DT, a->untyped_data(), w2.untyped_data(), sizes,
+                                        out->untyped_data(), d2, nullptr, 1, tile_m2,
+                                        pdl && d1.n > 0),
+                     "expert_mlp w2 launch");
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCuda, ExpertMlpCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Arg<ffi::AnyBuffer>()   // w13
+                                  .Arg<ffi::AnyBuffer>()   // w2
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("activation")
+                                  .Attr<bool>("gated")
+                                  .Attr<int64_t>("tile_m1")
+                                  .Attr<int64_t>("tile_m2")
+                                  .Ret<ffi::AnyBuffer>()   // out
+                                  .Ret<ffi::AnyBuffer>()   // h (scratch)
+                                  .Ret<ffi::AnyBuffer>(),  // a (scratch)
+                              {ffi::Traits::kCmdBufferCompatible});
+
+
+}  // namespace jax_moe
