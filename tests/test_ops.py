@@ -593,6 +593,40 @@ def test_expert_mlp_activations(rng, activation, is_gated):
     assert_equal(got, ops.group_gemm(a, w2, sizes), f"{activation}, gated={is_gated}")
 
 
+# (T, H, I, E, topk, routing): one expert; every token on expert 2 of 4 (the
+# others empty); local experts 2..3 of 6 (start_expert=2, two local: rows past
+# the placed ones are dropped by the token index and must come out 0).
+EXPERT_MLP_EDGES = [(9, 40, 16, 1, 1, "one_expert"), (12, 64, 24, 4, 1, "all_on_one"),
+                    (10, 48, 8, 6, 3, "local_2_of_6")]
+
+
+@dtypes
+@pytest.mark.parametrize("tiles", [None, (8, 8), (16, 16), (32, 64)], ids=str)
+@pytest.mark.parametrize("case", EXPERT_MLP_EDGES, ids=lambda c: c[-1])
+def test_expert_mlp_routing_edges(rng, case, tiles, dtype):
+    tokens, hidden, inter, experts, topk, routing = case
+    if routing == "all_on_one":
+        ids = jnp.full((tokens, 1), 2, jnp.int32)
+    else:
+        ids = jnp.asarray(random_ids(rng, tokens, topk, experts))
+    start, local = (2, 2) if routing == "local_2_of_6" else (0, experts)
+    _, d2s, sizes = ref.moe_compute_token_index(ids, num_experts=experts, start_expert=start,
+                                                num_local_experts=local)
+    x = normal(rng, (tokens, hidden), dtype)
+    w13 = normal(rng, (local, 2 * inter, hidden), dtype, scale=hidden**-0.5)
+    w2 = normal(rng, (local, hidden, inter), dtype, scale=inter**-0.5)
+    got = ops.expert_mlp(x, w13, w2, sizes, d2s, topk, tile_m=tiles)
+    t1, t2 = (None, None) if tiles is None else tiles
+    a = ops.gated_activation(ops.group_gemm_gather(x, w13, sizes, d2s, topk, tile_m=t1))
+    assert_equal(got, ops.group_gemm(a, w2, sizes, tile_m=t2), f"{routing} tiles={tiles}")
+    assert_close(got, reference.expert_mlp(x, w13, w2, sizes, d2s, topk), dtype, "twin")
+    placed = int(np.asarray(sizes).sum())
+    if routing == "local_2_of_6":
+        assert 0 < placed < tokens * topk  # the case really drops rows
+    np.testing.assert_array_equal(np.asarray(got[placed:], np.float32), 0.0)
+    assert np.any(np.asarray(got[:placed], np.float32) != 0.0)
+
+
 def test_expert_mlp_rejects_bad_args():
     x = jnp.zeros((4, 8), jnp.bfloat16)
     sizes = jnp.asarray([4, 4], jnp.int32)
