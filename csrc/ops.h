@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -32,6 +33,27 @@ JAX_MOE_TARGETS(JAX_MOE_DECLARE_CPU)
 JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
 #undef JAX_MOE_DECLARE_CUDA
 #endif
+
+// expert_mlp's arguments, attributes and results after the platform's context
+// (`bound`: ffi::Ffi::Bind().Ctx<...>()): one list for the CPU and CUDA
+// handlers, which must match ops.expert_mlp's ffi_call.
+template <typename Bound>
+auto ExpertMlpSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()   // x
+      .template Arg<xla::ffi::AnyBuffer>()   // w13
+      .template Arg<xla::ffi::AnyBuffer>()   // w2
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src
+      .template Attr<int64_t>("topk")
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Attr<int64_t>("tile_m1")
+      .template Attr<int64_t>("tile_m2")
+      .template Ret<xla::ffi::AnyBuffer>()   // out
+      .template Ret<xla::ffi::AnyBuffer>()   // h (scratch)
+      .template Ret<xla::ffi::AnyBuffer>();  // a (scratch)
+}
 
 #ifdef JAX_MOE_WITH_SM90
 // Bytes of the scratch output that group_gemm needs for the sm90 path

@@ -126,21 +126,7 @@ ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // w13
-                                  .Arg<ffi::AnyBuffer>()   // w2
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("activation")
-                                  .Attr<bool>("gated")
-                                  .Attr<int64_t>("tile_m1")
-                                  .Attr<int64_t>("tile_m2")
-                                  .Ret<ffi::AnyBuffer>()    // out
-                                  .Ret<ffi::AnyBuffer>()    // h (scratch)
-                                  .Ret<ffi::AnyBuffer>());  // a (scratch)
+                              ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
                               ffi::Ffi::Bind()

@@ -53,23 +53,9 @@ ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCuda, ExpertMlpCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // w13
-                                  .Arg<ffi::AnyBuffer>()   // w2
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("activation")
-                                  .Attr<bool>("gated")
-                                  .Attr<int64_t>("tile_m1")
-                                  .Attr<int64_t>("tile_m2")
-                                  .Ret<ffi::AnyBuffer>()   // out
-                                  .Ret<ffi::AnyBuffer>()   // h (scratch)
-                                  .Ret<ffi::AnyBuffer>(),  // a (scratch)
-                              {ffi::Traits::kCmdBufferCompatible});
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kExpertMlpCuda, ExpertMlpCuda,
+    ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe
