@@ -95,8 +95,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   });
 }
 
-// The shipped tile-8 dispatch (LaunchGroupGemm's case 8) with the PDL kernels;
-// `pdl` launches with programmatic stream serialisation.
 // A stream of its own: PDL is not for the legacy default stream.
 cudaStream_t Stream() {
   static cudaStream_t s = [] {
@@ -107,6 +105,8 @@ cudaStream_t Stream() {
   return s;
 }
 
+// The shipped tile-8 dispatch (LaunchGroupGemm's case 8) with the PDL kernels;
+// `pdl` launches with programmatic stream serialisation.
 template <int W, bool Trigger>
 void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_t* out, int64_t m,
              int64_t n, int64_t k, int64_t groups, bool pdl) {
@@ -122,20 +122,13 @@ void Launch8(const uint16_t* x, const uint16_t* w, const int32_t* sizes, uint16_
        SkinnyPersistentWins(a, groups, ResidentBlocks<GroupGemmSkinnyKernel<T>>(kThreads),
                             resident));
   const int own_resident = ResidentBlocks<SkinnyPersistentPdl<T, W, Trigger>>(kThreads);
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.gridDim = dim3(persistent ? static_cast<unsigned>(own_resident > 0 ? own_resident : 1)
-                                : grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = Stream();
-  cfg.attrs = pdl ? &attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
   if (persistent)
-    CK(cudaLaunchKernelEx(&cfg, SkinnyPersistentPdl<T, W, Trigger>, x, w, sizes, out, a));
+    CK(LaunchKernel(SkinnyPersistentPdl<T, W, Trigger>,
+                    static_cast<unsigned>(own_resident > 0 ? own_resident : 1), kThreads, 0,
+                    Stream(), pdl, x, w, sizes, out, a));
   else
-    CK(cudaLaunchKernelEx(&cfg, SkinnyBlockPdl<T, W, Trigger>, x, w, sizes, out, a));
+    CK(LaunchKernel(SkinnyBlockPdl<T, W, Trigger>, grid, kThreads, 0, Stream(), pdl, x, w, sizes,
+                    out, a));
 }
 
 // Times `calls` units as XLA's command buffers run custom calls: each unit
