@@ -557,14 +557,20 @@ def test_group_gemm_decode_tiles_large(rng, tile_m, shape, pattern, dtype):
 EXPERT_MLP_SHAPES = [(1, 72, 4, 7, 2), (37, 136, 24, 6, 3), (5, 13, 9, 4, 4)]
 
 
+def _mlp_weights(rng, experts, hidden, inter, dtype, gated=True):
+    """w13 (E, 2I or I, H) and w2 (E, H, I), scaled to keep outputs O(1)."""
+    up = 2 * inter if gated else inter
+    return (normal(rng, (experts, up, hidden), dtype, scale=hidden**-0.5),
+            normal(rng, (experts, hidden, inter), dtype, scale=inter**-0.5))
+
+
 @dtypes
 @pytest.mark.parametrize("tiles", [None, (8, 8), (16, 8), (8, 32), (128, 64), (256, 8)], ids=str)
 @pytest.mark.parametrize("shape", EXPERT_MLP_SHAPES, ids=str)
 def test_expert_mlp_same_bits_as_three_ops(rng, shape, tiles, dtype):
     tokens, hidden, inter, experts, topk = shape
     x = normal(rng, (tokens, hidden), dtype)
-    w13 = normal(rng, (experts, 2 * inter, hidden), dtype, scale=hidden**-0.5)
-    w2 = normal(rng, (experts, hidden, inter), dtype, scale=inter**-0.5)
+    w13, w2 = _mlp_weights(rng, experts, hidden, inter, dtype)
     d2s, sizes = _gather_rows(rng, tokens, topk, experts)
     t1, t2 = (None, None) if tiles is None else tiles
     got = ops.expert_mlp(x, w13, w2, sizes, d2s, topk, tile_m=tiles)
@@ -583,9 +589,7 @@ def test_expert_mlp_same_bits_as_three_ops(rng, shape, tiles, dtype):
 def test_expert_mlp_activations(rng, activation, is_gated):
     tokens, hidden, inter, experts, topk = 37, 136, 24, 6, 3
     x = normal(rng, (tokens, hidden), jnp.bfloat16)
-    up = 2 * inter if is_gated else inter
-    w13 = normal(rng, (experts, up, hidden), jnp.bfloat16, scale=hidden**-0.5)
-    w2 = normal(rng, (experts, hidden, inter), jnp.bfloat16, scale=inter**-0.5)
+    w13, w2 = _mlp_weights(rng, experts, hidden, inter, jnp.bfloat16, gated=is_gated)
     d2s, sizes = _gather_rows(rng, tokens, topk, experts)
     got = ops.expert_mlp(x, w13, w2, sizes, d2s, topk, activation=activation, is_gated=is_gated)
     h = ops.group_gemm_gather(x, w13, sizes, d2s, topk)
@@ -613,8 +617,7 @@ def test_expert_mlp_routing_edges(rng, case, tiles, dtype):
     _, d2s, sizes = ref.moe_compute_token_index(ids, num_experts=experts, start_expert=start,
                                                 num_local_experts=local)
     x = normal(rng, (tokens, hidden), dtype)
-    w13 = normal(rng, (local, 2 * inter, hidden), dtype, scale=hidden**-0.5)
-    w2 = normal(rng, (local, hidden, inter), dtype, scale=inter**-0.5)
+    w13, w2 = _mlp_weights(rng, local, hidden, inter, dtype)
     got = ops.expert_mlp(x, w13, w2, sizes, d2s, topk, tile_m=tiles)
     t1, t2 = (None, None) if tiles is None else tiles
     a = ops.gated_activation(ops.group_gemm_gather(x, w13, sizes, d2s, topk, tile_m=t1))
