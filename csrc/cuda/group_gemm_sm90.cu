@@ -27,13 +27,16 @@
 //    experts get an M = 0 problem, which the group tile scheduler skips.
 //  * Tiles: 64x128x64 (pingpong: each consumer warpgroup owns a tile) while
 //    experts average < kSkinnyRows rows, where a 128-row tile would be mostly
-//    padding; 128x128x64 on one CTA for moderate rows per expert; 128x256x64
-//    on a 2x1 cluster (the weight tile multicast to both CTAs) once experts
-//    average >= kWideRows rows and N >= 256 (its cluster pairs M tiles, which
-//    wastes up to a tile per expert when experts are short). H200 at 512
-//    rows per expert: 506 and 591 TFLOP/s (DESIGN notes); at 256 rows (run O,
-//    2026-11-29) the wide tiles were 3-9% faster on the four GEMMs measured
-//    (DeepSeek-V3 T=8192, Mixtral T=1024); at 32 rows they were never used.
+//    padding; 128x128x64 for moderate rows per expert; 128x256x64 once
+//    experts average >= kWideRows rows and N >= 256. All on one-CTA
+//    clusters: a 2x1 cluster (the weight tile multicast to an M-tile pair)
+//    rounds every expert's rows up to 256, and at 256-512 rows per expert on
+//    average that padding cost more than the multicast saved. H200, run 13.2
+//    (scripts/sm90_tiles_bench.cu, 2026-11-30), 128x256 on 1x1 against 2x1
+//    clusters: DeepSeek-V3 T=8192 gate/up 7356 vs 8538 us, down 3990 vs 4519;
+//    Qwen3-30B-A3B T=8192 674 vs 714, 381 vs 414; Mixtral T=1024 826 vs 954,
+//    465 vs 481; equal at 2048 rows per expert (Mixtral T=8192). 1x2
+//    clusters (A multicast) and 128x128 pingpong were in between.
 //    The persistent group scheduler has no split-K or stream-K: each output
 //    is summed by one CTA in a fixed K order, so results are bitwise
 //    reproducible run to run (but not equal to the mma.sync tiles' bits).
@@ -133,14 +136,13 @@ using Skinny = Shape<_64, _128, _64>;
 using Narrow = Shape<_128, _128, _64>;
 using Wide = Shape<_128, _256, _64>;
 using Cluster1 = Shape<_1, _1, _1>;
-using Cluster2 = Shape<_2, _1, _1>;
 
 template <typename Element>
 using SkinnyGemm = Sm90Gemm<Element, Skinny, Cluster1, Pingpong>;
 template <typename Element>
 using NarrowGemm = Sm90Gemm<Element, Narrow, Cluster1, Cooperative>;
 template <typename Element>
-using WideGemm = Sm90Gemm<Element, Wide, Cluster2, Cooperative>;
+using WideGemm = Sm90Gemm<Element, Wide, Cluster1, Cooperative>;
 
 // One set of stride types for all six kernels (they depend on the layouts only).
 using StrideA = NarrowGemm<cutlass::bfloat16_t>::StrideA;
