@@ -14,7 +14,8 @@
 //
 // Not part of the build; needs an sm_90 GPU and the nvidia-cutlass headers.
 // From the repository root (CONFIGS=1 or 2 picks half of the configs, to
-// compile the halves on two cores):
+// compile the halves on two cores; CONFIGS=3 the two shipped 128-row
+// configs between their thresholds):
 //   C=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -DCONFIGS=1 \
 //     -DJAX_MOE_WITH_CUDA=1 -DJAX_MOE_WITH_SM90=1 -I csrc -I $C/include -I $C/tools/util/include \
@@ -52,6 +53,22 @@ constexpr Case kCases[] = {
     {"mixtral T=1024 down", 8, 4096, 14336, 1024, 2},
     {"mixtral T=8192 up", 8, 28672, 4096, 8192, 2},
     {"deepseek_v3 T=1024 up", 256, 4096, 7168, 1024, 8},
+};
+// Between the 64- and 256-row thresholds (CONFIGS=3: 128x128 against
+// 128x256 tiles, both on one CTA): 64, 128 and 192 rows per expert.
+constexpr Case kMidCases[] = {
+    {"qwen3_30b T=1024 up", 128, 1536, 2048, 1024, 8},
+    {"qwen3_30b T=2048 up", 128, 1536, 2048, 2048, 8},
+    {"qwen3_30b T=2048 down", 128, 2048, 768, 2048, 8},
+    {"qwen3_30b T=3072 up", 128, 1536, 2048, 3072, 8},
+    {"qwen3_235b T=2048 up", 128, 3072, 4096, 2048, 8},
+    {"qwen3_235b T=2048 down", 128, 4096, 1536, 2048, 8},
+    {"deepseek_v3 T=2048 up", 256, 4096, 7168, 2048, 8},
+    {"deepseek_v3 T=4096 up", 256, 4096, 7168, 4096, 8},
+    {"deepseek_v3 T=4096 down", 256, 7168, 2048, 4096, 8},
+    {"mixtral T=512 up", 8, 28672, 4096, 512, 2},
+    {"mixtral T=512 down", 8, 4096, 14336, 512, 2},
+    {"mixtral T=768 up", 8, 28672, 4096, 768, 2},
 };
 constexpr int kRot = 4;
 
@@ -174,6 +191,12 @@ void Time(const char* cfg, const Case& cs) {
 
 int main() {
   using namespace jax_moe;
+#if CONFIGS == 3
+  for (const Case& cs : kMidCases) {
+    Time<NarrowGemm<cutlass::bfloat16_t>>("128x128 1x1 coop", cs);
+    Time<WideGemm<cutlass::bfloat16_t>>("128x256 1x1 coop", cs);
+  }
+#else
   for (const Case& cs : kCases) {
 #if CONFIGS == 1
     Time<Wide2x1>("128x256 2x1 coop", cs);
@@ -186,5 +209,6 @@ int main() {
     Time<NarrowPing1x2>("128x128 1x2 ping", cs);
 #endif
   }
+#endif
   return 0;
 }

@@ -677,15 +677,15 @@ half_dtypes = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=
 # Where the sm90 kernel switches paths: M off its 64/128-row tiles; N and K
 # odd multiples of 8 (TMA's 16-byte rows) around its 64-deep k tile and its
 # 128/256-column tiles; E > M; experts averaging < 64 rows (64x128 pingpong
-# tiles), >= 256 rows with N >= 256 (128x256 tiles), else 128x128.
+# tiles), else 128x256 tiles where N >= 256 and 128x128 where N < 256.
 SM90_SHAPES = [  # (M, K, N, E)
     (1, 64, 72, 4),        # one row (64x128 tiles)
     (77, 8, 8, 16),        # K = N = 8: a sliver of one k tile and one column tile; E > M
-    (300, 200, 136, 3),    # K = 25*8, N = 17*8; 100 rows per expert: 128x128
+    (300, 200, 136, 3),    # K = 25*8, N = 17*8 < 256; 100 rows per expert: 128x128
     (1000, 136, 264, 16),  # ~62 rows per expert: several 64x128 tiles, N past 256
-    (1024, 136, 264, 16),  # 64 rows per expert: 128x128 from here
-    (1020, 200, 264, 4),   # 255 rows per expert: still 128x128
-    (1024, 200, 264, 4),   # 256 rows per expert, N >= 256: 128x256 tiles
+    (1024, 136, 264, 16),  # 64 rows per expert, N >= 256: 128x256 from here
+    (1020, 200, 264, 4),   # 255 rows per expert: 128x256, experts off the tile
+    (1024, 200, 264, 4),   # 256 rows per expert: 128x256 tiles
     (2100, 200, 264, 4),   # ~525 rows per expert: 128x256 tiles, experts off the tile
 ]
 
@@ -700,8 +700,8 @@ def test_group_gemm_sm90(rng, shape, pattern, dtype):
 @pytest.mark.sanitize
 def test_group_gemm_sm90_small_sanitize(rng):
     # Small cases for compute-sanitizer: one row and E > M with a partial
-    # tail (64x128 tiles), one expert with every row (128x128 tiles), and
-    # 128x256 tiles (~550 rows per expert).
+    # tail (64x128 tiles), one expert with every row (128x128 tiles, N < 256),
+    # and 128x256 tiles (~550 rows per expert).
     for (m, k, n, experts), pattern in [((1, 64, 72, 4), "partial"), ((77, 8, 8, 16), "partial"),
                                         ((300, 200, 136, 3), "all_in_one"),
                                         ((1100, 64, 256, 2), "partial"),
@@ -836,8 +836,8 @@ def test_cuda_sm90_path_is_built_for_hopper():
 @pytest.mark.gpu
 def test_cuda_group_gemm_sm90_large(rng):
     # Real model widths (K = 2048, N = 1536): decode-like (most experts empty),
-    # ~256 rows per expert (128x128 tiles) and ~1024 (128x256 tiles), CUDA
-    # against the CPU handler.
+    # ~256 rows per expert and ~1024 (128x256 tiles), CUDA against the CPU
+    # handler.
     for m, experts in [(8, 128), (4096, 16), (8192, 8)]:
         x = normal(rng, (m, 2048), jnp.bfloat16)
         w = normal(rng, (experts, 1536, 2048), jnp.bfloat16, scale=2048**-0.5)
