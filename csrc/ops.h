@@ -34,9 +34,123 @@ JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
 #undef JAX_MOE_DECLARE_CUDA
 #endif
 
-// expert_mlp's arguments, attributes and results after the platform's context
-// (`bound`: ffi::Ffi::Bind().Ctx<...>()): one list for the CPU and CUDA
-// handlers, which must match ops.expert_mlp's ffi_call.
+// Each target's arguments, attributes and results after the platform's
+// context (`bound`: ffi::Ffi::Bind(), with .Ctx<...>() where the handler takes
+// one): one list for the CPU and the CUDA handler, which must match the
+// Python side's ffi_call.
+// topk_softmax (ops.topk_softmax)
+template <typename Bound>
+auto TopkSoftmaxSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // router_logits
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias
+      .template Attr<bool>("renormalize")
+      .template Attr<int64_t>("scoring")
+      .template Attr<int64_t>("num_expert_group")
+      .template Attr<int64_t>("topk_group")
+      .template Attr<bool>("has_bias")
+      .template Attr<float>("routed_scaling_factor")
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>();  // ids
+}
+
+// token_index (ops.moe_compute_token_index)
+template <typename Bound>
+auto TokenIndexSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_ids
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("start_expert")
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // src_to_dst
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>();  // scratch (CUDA)
+}
+
+// expand (ops.moe_expand)
+template <typename Bound>
+auto ExpandSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src
+      .template Attr<int64_t>("topk")
+      .template Ret<xla::ffi::AnyBuffer>();  // expanded rows
+}
+
+// group_gemm (ops.group_gemm, group_gemm_gather)
+template <typename Bound>
+auto GroupGemmSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x
+      .template Arg<xla::ffi::AnyBuffer>()  // w
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src of the gather, or empty
+      .template Attr<bool>("gather")
+      .template Attr<int64_t>("topk")
+      .template Attr<int64_t>("tile_m")
+      .template Ret<xla::ffi::AnyBuffer>()  // out
+      .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
+}
+
+// gated_act (ops.gated_activation, ops.activation)
+template <typename Bound>
+auto GatedActSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // h
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Ret<xla::ffi::AnyBuffer>();  // out
+}
+
+// combine (ops.moe_combine)
+template <typename Bound>
+auto CombineSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // y
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // topk_weights
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src_to_dst
+      .template Ret<xla::ffi::AnyBuffer>();  // out
+}
+
+// write_kv (attention.write_kv; the results alias k_pages and v_pages)
+template <typename Bound>
+auto WriteKvSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // k_pages
+      .template Arg<xla::ffi::AnyBuffer>()  // v_pages
+      .template Arg<xla::ffi::AnyBuffer>()  // k
+      .template Arg<xla::ffi::AnyBuffer>()  // v
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // slot_mapping
+      .template Ret<xla::ffi::AnyBuffer>()  // k_pages
+      .template Ret<xla::ffi::AnyBuffer>();  // v_pages
+}
+
+// paged_decode (attention.paged_decode_attention)
+template <typename Bound>
+auto PagedDecodeSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // q
+      .template Arg<xla::ffi::AnyBuffer>()  // k_pages
+      .template Arg<xla::ffi::AnyBuffer>()  // v_pages
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lengths
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("split_tokens")
+      .template Ret<xla::ffi::AnyBuffer>()  // out
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scratch: per-split partial outputs
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: per-split (max, sum)
+}
+
+// fill_rows (attention's packed prefill; the result aliases x)
+template <typename Bound>
+auto FillRowsSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ctrl
+      .template Ret<xla::ffi::AnyBuffer>();  // x
+}
+
+// expert_mlp (ops.expert_mlp)
 template <typename Bound>
 auto ExpertMlpSignature(Bound bound) {
   return std::move(bound)

@@ -22,11 +22,6 @@ ffi::Error GatedActCpu(ffi::AnyBuffer h, int64_t activation, bool gated,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatedActCpu, GatedActCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("activation")
-                                  .Attr<bool>("gated")
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatedActCpu, GatedActCpu, GatedActSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

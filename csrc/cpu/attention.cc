@@ -115,15 +115,7 @@ ffi::Error PagedDecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kWriteKvCpu, WriteKvCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kWriteKvCpu, WriteKvCpu, WriteKvSignature(ffi::Ffi::Bind()));
 
 // fill_rows: rows >= ctrl[0] of x (N, ...) become 0, or with ctrl[1] != 0
 // every element becomes NaN; in place (the output aliases x).
@@ -147,23 +139,9 @@ ffi::Error FillRowsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ctrl,
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFillRowsCpu, FillRowsCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFillRowsCpu, FillRowsCpu, FillRowsSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPagedDecodeCpu, PagedDecodeCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("split_tokens")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              PagedDecodeSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

@@ -129,16 +129,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
                               ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<bool>("gather")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("tile_m")
-                                  .Ret<ffi::AnyBuffer>()    // out
-                                  .Ret<ffi::AnyBuffer>());  // scratch (unused here)
+                              GroupGemmSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace jax_moe

@@ -72,18 +72,8 @@ ffi::Error CombineCpu(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpandCpu, ExpandCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("topk")
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpandCpu, ExpandCpu, ExpandSignature(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineCpu, CombineCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineCpu, CombineCpu, CombineSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

@@ -141,16 +141,6 @@ ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, boo
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTopkSoftmaxCpu, TopkSoftmaxCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("renormalize")
-                                  .Attr<int64_t>("scoring")
-                                  .Attr<int64_t>("num_expert_group")
-                                  .Attr<int64_t>("topk_group")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<float>("routed_scaling_factor")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                              TopkSoftmaxSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

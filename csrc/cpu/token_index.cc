@@ -56,14 +56,6 @@ ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCpu, TokenIndexCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("start_expert")
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCpu, TokenIndexCpu, TokenIndexSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

@@ -121,13 +121,9 @@ cudaError_t LaunchActivation(cudaStream_t stream, ffi::DataType dtype, int64_t a
   }
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatedActCuda, GatedActCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("activation")
-                                  .Attr<bool>("gated")
-                                  .Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kGatedActCuda, GatedActCuda,
+    GatedActSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

@@ -1339,18 +1339,9 @@ cudaError_t LaunchGroupGemmFor(cudaStream_t stream, ffi::DataType dtype, const v
   }
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCuda, GroupGemmCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<bool>("gather")
-                                  .Attr<int64_t>("topk")
-                                  .Attr<int64_t>("tile_m")
-                                  .Ret<ffi::AnyBuffer>()   // out
-                                  .Ret<ffi::AnyBuffer>(),  // scratch (u8)
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kGroupGemmCuda, GroupGemmCuda,
+    GroupGemmSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

@@ -220,19 +220,9 @@ ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kTopkSoftmaxCuda, TopkSoftmaxCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("renormalize")
-                                  .Attr<int64_t>("scoring")
-                                  .Attr<int64_t>("num_expert_group")
-                                  .Attr<int64_t>("topk_group")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<float>("routed_scaling_factor")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kTopkSoftmaxCuda, TopkSoftmaxCuda,
+    TopkSoftmaxSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

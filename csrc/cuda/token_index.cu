@@ -190,16 +190,9 @@ ffi::Error TokenIndexCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCuda, TokenIndexCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("start_expert")
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kTokenIndexCuda, TokenIndexCuda,
+    TokenIndexSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe
