@@ -30,15 +30,16 @@
 //    padding; from there 128x256x64 where N >= 256, else 128x128x64. At 64,
 //    128 and 192 rows per expert (run 13.6) the 128x256 tiles were 5-34%
 //    faster than 128x128 on all twelve GEMMs measured (e.g. Qwen3-235B-A22B
-//    T=2048 gate/up 967 vs 1215 us, Mixtral T=768 gate/up 666 vs 1003). All
-//    on one-CTA clusters: a 2x1 cluster (the weight tile multicast to an M-tile pair)
-//    rounds every expert's rows up to 256, and at 256-512 rows per expert on
-//    average that padding cost more than the multicast saved. H200, run 13.2
-//    (scripts/sm90_tiles_bench.cu, 2026-11-30), 128x256 on 1x1 against 2x1
-//    clusters: DeepSeek-V3 T=8192 gate/up 7356 vs 8538 us, down 3990 vs 4519;
-//    Qwen3-30B-A3B T=8192 674 vs 714, 381 vs 414; Mixtral T=1024 826 vs 954,
-//    465 vs 481; equal at 2048 rows per expert (Mixtral T=8192). 1x2
-//    clusters (A multicast) and 128x128 pingpong were in between.
+//    T=2048 gate/up 967 vs 1215 us, Mixtral T=768 gate/up 666 vs 1003).
+//    All on one-CTA clusters: a 2x1 cluster (the weight tile multicast to a
+//    pair of M tiles) rounds every expert's rows up to 256, and at 256-512
+//    rows per expert on average that padding cost more than the multicast
+//    saved. H200, run 13.2 (scripts/sm90_tiles_bench.cu, 2026-11-30),
+//    128x256 on 1x1 against 2x1 clusters: DeepSeek-V3 T=8192 gate/up 7356
+//    vs 8538 us, down 3990 vs 4519; Qwen3-30B-A3B T=8192 674 vs 714, 381 vs
+//    414; Mixtral T=1024 826 vs 954, 465 vs 481; equal at 2048 rows per
+//    expert (Mixtral T=8192). 1x2 clusters (A multicast) and 128x128
+//    pingpong were in between.
 //    The persistent group scheduler has no split-K or stream-K: each output
 //    is summed by one CTA in a fixed K order, so results are bitwise
 //    reproducible run to run (but not equal to the mma.sync tiles' bits).
