@@ -38,6 +38,7 @@ JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
 // context (`bound`: ffi::Ffi::Bind(), with .Ctx<...>() where the handler takes
 // one): one list for the CPU and the CUDA handler, which must match the
 // Python side's ffi_call.
+
 // topk_softmax (ops.topk_softmax)
 template <typename Bound>
 auto TopkSoftmaxSignature(Bound bound) {

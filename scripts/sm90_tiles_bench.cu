@@ -175,8 +175,6 @@ void Time(const char* cfg, const Case& cs) {
       scale = std::max(scale, static_cast<double>(std::fabs(r)));
     }
   const double us = MedianLaunchMicros(call, 10, 7);
-  double mean_rows = 0;
-  for (int e = 0; e < cs.E; ++e) mean_rows += hs[e];
   const double flops = 2.0 * m * n * k;
   printf("  %-28s %-16s %9.1f us %6.1f TFLOP/s  max err %.3g of %.3g%s\n", cs.name, cfg, us,
          flops / us / 1e6, worst, scale, worst > 0.02 * scale + 1e-3 ? "  WRONG" : "");
