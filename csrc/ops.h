@@ -18,6 +18,7 @@ namespace jax_moe {
   X("jax_moe_expand", Expand)              \
   X("jax_moe_group_gemm", GroupGemm)       \
   X("jax_moe_expert_mlp", ExpertMlp)       \
+  X("jax_moe_moe_layer", MoeLayer)         \
   X("jax_moe_gated_act", GatedAct)         \
   X("jax_moe_combine", Combine)            \
   X("jax_moe_write_kv", WriteKv)           \
@@ -39,18 +40,24 @@ JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
 // one): one list for the CPU and the CUDA handler, which must match the
 // Python side's ffi_call.
 
-// topk_softmax (ops.topk_softmax)
+// The router's attributes (topk_softmax, moe_layer).
 template <typename Bound>
-auto TopkSoftmaxSignature(Bound bound) {
+auto RouteAttrs(Bound bound) {
   return std::move(bound)
-      .template Arg<xla::ffi::AnyBuffer>()  // router_logits
-      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias
       .template Attr<bool>("renormalize")
       .template Attr<int64_t>("scoring")
       .template Attr<int64_t>("num_expert_group")
       .template Attr<int64_t>("topk_group")
       .template Attr<bool>("has_bias")
-      .template Attr<float>("routed_scaling_factor")
+      .template Attr<float>("routed_scaling_factor");
+}
+
+// topk_softmax (ops.topk_softmax)
+template <typename Bound>
+auto TopkSoftmaxSignature(Bound bound) {
+  return RouteAttrs(std::move(bound)
+                        .template Arg<xla::ffi::AnyBuffer>()  // router_logits
+                        .template Arg<xla::ffi::Buffer<xla::ffi::F32>>())  // bias
       .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
       .template Ret<xla::ffi::Buffer<xla::ffi::S32>>();  // ids
 }
@@ -168,6 +175,31 @@ auto ExpertMlpSignature(Bound bound) {
       .template Ret<xla::ffi::AnyBuffer>()   // out
       .template Ret<xla::ffi::AnyBuffer>()   // h (scratch)
       .template Ret<xla::ffi::AnyBuffer>();  // a (scratch)
+}
+
+// moe_layer (ops.moe_layer): route, token index, expert_mlp and combine in one call
+template <typename Bound>
+auto MoeLayerSignature(Bound bound) {
+  return RouteAttrs(std::move(bound)
+                        .template Arg<xla::ffi::AnyBuffer>()  // hidden_states
+                        .template Arg<xla::ffi::AnyBuffer>()  // router_logits
+                        .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias (or zeros)
+                        .template Arg<xla::ffi::AnyBuffer>()  // w13
+                        .template Arg<xla::ffi::AnyBuffer>())  // w2
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Attr<int64_t>("tile_m1")
+      .template Attr<int64_t>("tile_m2")
+      .template Ret<xla::ffi::AnyBuffer>()   // out (T, H)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scratch: topk weights
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: topk ids
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: src_to_dst
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: dst_to_src
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: expert_sizes
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: token index (CUDA)
+      .template Ret<xla::ffi::AnyBuffer>()   // scratch: expert outputs y
+      .template Ret<xla::ffi::AnyBuffer>()   // scratch: h
+      .template Ret<xla::ffi::AnyBuffer>();  // scratch: a
 }
 
 #ifdef JAX_MOE_WITH_SM90

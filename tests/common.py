@@ -164,6 +164,9 @@ ref.gated_activation = jax.jit(reference.gated_activation, static_argnames=("act
 ref.expert_mlp = jax.jit(reference.expert_mlp,
                          static_argnames=("topk", "activation", "is_gated", "tile_m"))
 ref.moe_combine = jax.jit(reference.moe_combine)
+ref.moe_layer = jax.jit(reference.moe_layer, static_argnames=(
+    "topk", "scoring_func", "renormalize", "num_expert_group", "topk_group",
+    "routed_scaling_factor", "activation", "is_gated", "tile_m"))
 
 
 def on_cpu(fn, *args, **kwargs):

@@ -156,7 +156,7 @@ def test_grad_through_ffi_equals_reference(rng):
         assert rel_err(g_ffi[n], g_ref[n]) < 1e-5, n
     # ...and the forward under grad still runs the custom calls.
     hlo = jax.jit(jax.grad(lambda p: loss(p, "ffi"))).lower(params).as_text()
-    assert "jax_moe_expert_mlp" in hlo
+    assert "jax_moe_moe_layer" in hlo
 
 
 def test_moe_config_options():

@@ -15,7 +15,7 @@ import pytest
 
 import oracle
 from common import (DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu,
-                    random_ids, ref, routing_allowed, split_rows)
+                    random_ids, ref, router_logits, routing_allowed, split_rows)
 from conftest import ON_GPU
 from jax_moe import ops, reference
 
@@ -28,7 +28,7 @@ def test_every_target_registered_for_every_built_platform():
     regs = _ext.registrations()
     want = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expand",
             "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_gated_act", "jax_moe_combine",
-            "jax_moe_write_kv", "jax_moe_paged_decode", "jax_moe_fill_rows"}
+            "jax_moe_moe_layer", "jax_moe_write_kv", "jax_moe_paged_decode", "jax_moe_fill_rows"}
     assert set(regs) == ({"cpu", "CUDA"} if HAS_CUDA else {"cpu"})
     for platform, targets in regs.items():
         assert set(targets) == want, platform
@@ -651,6 +651,96 @@ def test_expert_mlp_rejects_bad_args():
                            tile_m=(8, 24))
 
 
+# moe_layer: steps 1-7 in one call (on the GPU every kernel after the router
+# starts early by programmatic dependent launch), with the bits of the four
+# ops it replaces. (T, H, I, E, topk, experts the router may pick, routing):
+# one token; topk = E; H = 13 (K off the 16-byte loads); one expert; every
+# token on expert 2 of 4 (three empty); the first, a middle and the last
+# expert empty; T*k = 1200 entries (the token index's three-kernel form, past
+# one chunk of 256) with grouped sigmoid routing, a correction bias and a scale.
+MOE_LAYER_CASES = [
+    (1, 72, 4, 7, 2, None, {}),
+    (5, 13, 9, 4, 4, None, {}),
+    (37, 136, 24, 6, 3, None, {"renormalize": False}),
+    (9, 40, 16, 1, 1, None, {}),
+    (12, 64, 24, 4, 1, [2], {}),
+    (20, 48, 8, 8, 2, [1, 2, 3, 5, 6], {}),
+    (300, 64, 24, 16, 4, None, dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                                    routed_scaling_factor=2.5)),
+]
+MOE_LAYER_IDS = ["T1", "topk_eq_E", "H13_no_renorm", "one_expert", "all_on_one", "empty_edges",
+                 "grouped_sigmoid_T300"]
+
+
+def _moe_layer_inputs(rng, case, dtype, gated=True):
+    tokens, hidden, inter, experts, topk, allowed, kw = case
+    x = normal(rng, (tokens, hidden), dtype)
+    logits = router_logits(rng, tokens, experts, jnp.float32, allowed)
+    w13, w2 = _mlp_weights(rng, experts, hidden, inter, dtype, gated=gated)
+    kw = dict(kw)
+    if "num_expert_group" in kw:
+        kw["e_score_correction_bias"] = jnp.asarray(rng.standard_normal(experts), jnp.float32)
+    return (x, logits, w13, w2, topk), kw
+
+
+def _layer_by_ops(mod, x, logits, w13, w2, topk, activation="silu", is_gated=True, tile_m=None,
+                  **routing):
+    weights, ids = mod.route(logits, topk, **routing)
+    src_to_dst, dst_to_src, sizes = mod.moe_compute_token_index(ids, w13.shape[0])
+    y = mod.expert_mlp(x, w13, w2, sizes, dst_to_src, topk, activation=activation,
+                       is_gated=is_gated, tile_m=tile_m)
+    return mod.moe_combine(y, weights, src_to_dst)
+
+
+@dtypes
+@pytest.mark.parametrize("tiles", [None, (8, 16), (32, 128), (256, 8)], ids=str)
+@pytest.mark.parametrize("case", MOE_LAYER_CASES, ids=MOE_LAYER_IDS)
+def test_moe_layer_same_bits_as_four_ops(rng, case, tiles, dtype):
+    args, kw = _moe_layer_inputs(rng, case, dtype)
+    got = jax.jit(functools.partial(ops.moe_layer, topk=args[-1], tile_m=tiles, **kw))(*args[:-1])
+    assert got.shape == args[0].shape and got.dtype == dtype
+    assert_equal(got, _layer_by_ops(ops, *args, tile_m=tiles, **kw), f"tiles={tiles}")
+    assert_close(got, reference.moe_layer(*args, **kw), dtype, "vs reference")
+    assert np.any(np.asarray(got, np.float32) != 0.0)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("is_gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("case", [MOE_LAYER_CASES[0], MOE_LAYER_CASES[-1]], ids=["T1", "T300"])
+def test_moe_layer_activations(rng, case, activation, is_gated):
+    args, kw = _moe_layer_inputs(rng, case, jnp.bfloat16, gated=is_gated)
+    got = ops.moe_layer(*args, activation=activation, is_gated=is_gated, **kw)
+    want = _layer_by_ops(ops, *args, activation=activation, is_gated=is_gated, **kw)
+    assert_equal(got, want, f"{activation}, gated={is_gated}")
+    assert_close(got, reference.moe_layer(*args, activation=activation, is_gated=is_gated, **kw),
+                 jnp.bfloat16, "vs reference")
+
+
+def test_moe_layer_rejects_bad_args():
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    logits = jnp.zeros((4, 2), jnp.float32)
+    w13 = jnp.zeros((2, 6, 8), jnp.bfloat16)
+    w2 = jnp.zeros((2, 8, 3), jnp.bfloat16)
+    for mod in (ops, reference):
+        with pytest.raises(ValueError, match="router_logits must be"):
+            mod.moe_layer(x, logits[:3], w13, w2, 2)
+        with pytest.raises(ValueError, match="router_logits has E=3"):
+            mod.moe_layer(x, jnp.zeros((4, 3)), w13, w2, 2)
+        with pytest.raises(ValueError, match="w2 must be"):
+            mod.moe_layer(x, logits, w13, jnp.zeros((2, 8, 4), jnp.bfloat16), 2)
+        with pytest.raises(ValueError, match="topk"):
+            mod.moe_layer(x, logits, w13, w2, 3)
+        with pytest.raises(TypeError, match="dtype"):
+            mod.moe_layer(x, logits, w13.astype(jnp.float32), w2, 2)
+        with pytest.raises(ValueError, match="activation"):
+            mod.moe_layer(x, logits, w13, w2, 2, activation="relu")
+        with pytest.raises(ValueError, match="scoring_func"):
+            mod.moe_layer(x, logits, w13, w2, 2, scoring_func="relu")
+        with pytest.raises(TypeError, match="tile_m must be None or a pair"):
+            mod.moe_layer(x, logits, w13, w2, 2, tile_m=8)
+
+
 @pytest.mark.parametrize("tile_m, shape", [(16, (600, 136, 2600, 16)), (256, (2100, 200, 264, 4))],
                          ids=["tma", "sm90"])
 def test_group_gemm_is_bitwise_reproducible(rng, tile_m, shape):
@@ -957,11 +1047,13 @@ ZERO_TOKEN_CALLS = {  # every op on T = 0 tokens (an empty local batch)
                                          jnp.zeros((0,), jnp.int32), 2),
     "gated_act": lambda m: m.gated_activation(jnp.zeros((0, 6))),
     "combine": lambda m: m.moe_combine(jnp.zeros((0, 16)), jnp.zeros((0, 2)), jnp.zeros((0,), jnp.int32)),
+    "moe_layer": lambda m: m.moe_layer(jnp.zeros((0, 16)), jnp.zeros((0, 8)), jnp.zeros((8, 6, 16)),
+                                       jnp.zeros((8, 16, 3)), 2),
 }
 ZERO_TOKEN_SHAPES = {"topk_softmax": [(0, 2), (0, 2)], "token_index": [(0,), (0,), (8,)],
                      "expand": [(0, 16)], "group_gemm": [(0, 6)], "expert_mlp": [(0, 16)],
                      "gated_act": [(0, 3)],
-                     "combine": [(0, 16)]}
+                     "combine": [(0, 16)], "moe_layer": [(0, 16)]}
 
 
 @pytest.mark.sanitize
@@ -985,6 +1077,7 @@ TARGETS = {
     "expert_mlp": "jax_moe_expert_mlp",
     "gated_act": "jax_moe_gated_act",
     "combine": "jax_moe_combine",
+    "moe_layer": "jax_moe_moe_layer",
 }
 
 
@@ -1036,6 +1129,12 @@ def op_case(name, rng, dtype, batch=None):
             normal(rng, lead + (tokens * k, hidden), dtype),
             jnp.asarray(rng.random(lead + (tokens, k)), jnp.float32),
             stack(lambda: index()[0]))
+    if name == "moe_layer":
+        return functools.partial(ops.moe_layer, topk=k), (
+            normal(rng, lead + (tokens, hidden), dtype),
+            normal(rng, lead + (tokens, experts), jnp.float32, 2.0),
+            normal(rng, lead + (experts, 2 * inter, hidden), dtype, 1 / np.sqrt(hidden)),
+            normal(rng, lead + (experts, hidden, inter), dtype, 1 / np.sqrt(inter)))
     raise ValueError(name)
 
 

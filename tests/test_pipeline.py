@@ -173,9 +173,11 @@ def test_jit_traces_once_per_shape(rng):
 
 # ------------------------------------------------------------ lowered module
 
-# Step 3 (expand) is fused into the first GEMM's A-load: no jax_moe_expand.
-FFI_TARGETS = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expert_mlp",
-               "jax_moe_combine"}
+# Steps 1-7 in one call (ops.moe_layer) at decode-sized tiles.
+FFI_TARGETS = {"jax_moe_moe_layer"}
+SEPARATE_STEPS = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expand",
+                  "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_gated_act",
+                  "jax_moe_combine"}
 
 
 def custom_call_targets(lowered):
@@ -189,9 +191,7 @@ def test_ffi_backend_lowers_to_custom_calls(rng):
     stablehlo, hlo = custom_call_targets(moe_jit.lower(**inputs, topk=2, backend="ffi"))
     assert FFI_TARGETS <= set(stablehlo), stablehlo
     assert FFI_TARGETS <= set(hlo), hlo
-    # Steps 3-6 in one call (ops.expert_mlp) at these decode-sized tiles.
-    assert "jax_moe_group_gemm" not in stablehlo and "jax_moe_gated_act" not in stablehlo
-    assert "jax_moe_expand" not in stablehlo  # fused into the w13 GEMM
+    assert not SEPARATE_STEPS & set(stablehlo), stablehlo
 
 
 def test_reference_backend_has_no_custom_calls(rng):

@@ -9,6 +9,7 @@
 #include "cpu/act_math.h"
 #include "cpu/parallel_for.h"
 #include "ffi_common.h"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
@@ -98,6 +99,8 @@ ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   });
 }
 
+}  // namespace
+
 // Steps 3-6 in one call: the three ops of the CUDA handler, one after the
 // other (the same bits as group_gemm, the activation and group_gemm).
 ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w13,
@@ -123,7 +126,6 @@ ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   });
 }
 
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
                               ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
@@ -56,6 +57,8 @@ void CombineRows(const void* y_raw, const float* w, const int32_t* s2d,
   }
 }
 
+}  // namespace
+
 ffi::Error CombineCpu(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                       ffi::Buffer<ffi::S32> src_to_dst,
                       ffi::Result<ffi::AnyBuffer> out) {
@@ -70,7 +73,6 @@ ffi::Error CombineCpu(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
   });
 }
 
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpandCpu, ExpandCpu, ExpandSignature(ffi::Ffi::Bind()));
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
@@ -119,6 +120,8 @@ void RouteRows(const void* logits_raw, const float* bias, int64_t rows, const Ro
   }
 }
 
+}  // namespace
+
 ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, bool renormalize,
                           int64_t scoring, int64_t num_expert_group, int64_t topk_group,
                           bool has_bias, float routed_scaling_factor,
@@ -138,7 +141,6 @@ ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, boo
   });
 }
 
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTopkSoftmaxCpu, TopkSoftmaxCpu,
                               TopkSoftmaxSignature(ffi::Ffi::Bind()));

@@ -6,11 +6,11 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
 namespace jax_moe {
-namespace {
 
 ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
                          int64_t start_expert,
@@ -54,7 +54,6 @@ ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
   return ffi::Error::Success();
 }
 
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCpu, TokenIndexCpu, TokenIndexSignature(ffi::Ffi::Bind()));
 

@@ -4,23 +4,24 @@
 #include "cuda/activation.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/group_gemm.cuh"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
 namespace jax_moe {
-namespace {
 
 // Steps 3-6 in one call: the w13 GEMM (gathered rows) into h, the
 // activation into a, the w2 GEMM into out. On sm_90+ the second and third
 // kernels are launched with programmatic dependent launch: each may start
 // (its launch, tile schedule) while the previous one finishes, and waits for
 // it before reading its output. Under XLA's command buffers that edge only
-// exists inside one call (scripts/pdl_bench.cu).
-ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w13,
-                         ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> expert_sizes,
-                         ffi::Buffer<ffi::S32> rows, int64_t topk, int64_t activation, bool gated,
-                         int64_t tile_m1, int64_t tile_m2, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a) {
+// exists inside one call (scripts/pdl_bench.cu). Chained (moe_layer), the
+// first kernel is launched so too, after the token index, and waits for it
+// before its tile schedule.
+ffi::Error ExpertMlpSteps(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                          ffi::AnyBuffer w2, S32In expert_sizes, S32In rows, int64_t topk,
+                          int64_t activation, bool gated, int64_t tile_m1, int64_t tile_m2,
+                          AnyOut out, AnyOut h, AnyOut a, bool chained) {
   GemmDims d1, d2;
   if (auto err = CheckExpertMlp(x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
                                 tile_m2, *out, *h, *a, &d1, &d2);
@@ -33,7 +34,7 @@ ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
     if (d1.n > 0) {
       if (auto e = CudaError(LaunchGroupGemmFor(stream, DT, x.untyped_data(), w13.untyped_data(),
                                                 sizes, h->untyped_data(), d1, rows.typed_data(),
-                                                topk, tile_m1, false),
+                                                topk, tile_m1, pdl && chained, chained),
                              "expert_mlp w13 launch");
           e.failure())
         return e;
@@ -49,6 +50,16 @@ ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
                                         pdl && d1.n > 0),
                      "expert_mlp w2 launch");
   });
+}
+
+namespace {
+
+ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                         ffi::AnyBuffer w2, S32In expert_sizes, S32In rows, int64_t topk,
+                         int64_t activation, bool gated, int64_t tile_m1, int64_t tile_m2,
+                         AnyOut out, AnyOut h, AnyOut a) {
+  return ExpertMlpSteps(stream, x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
+                        tile_m2, out, h, a, false);
 }
 
 }  // namespace

@@ -456,8 +456,20 @@ __device__ void GemmTile16(const uint16_t* __restrict__ x, const uint16_t* __res
 struct GemmArgs {
   int64_t m, n, k, num_experts, mslots, ntiles, total_blocks;
   bool vec_in, vec_out;
+  bool wait_first;  // launched with PDL after the kernel that wrote expert_sizes and rows
   RowSource src;
 };
+
+// Every GEMM kernel's first statement. Launched with PDL, a kernel lets the
+// next one start at once and waits for the previous one only before it reads
+// x: its tile schedule (expert_sizes, rows) and first weights come first.
+// With wait_first (moe_layer's w13 GEMM, after the token index) the schedule
+// is the previous kernel's output too: wait first, and let the next kernel
+// start only then, so that it can read expert_sizes before its own wait.
+__device__ __forceinline__ void PdlStart(const GemmArgs& a) {
+  if (a.wait_first) PdlWait();
+  PdlTrigger();
+}
 
 // The grid-stride loop of every GEMM kernel: block id -> (m-slot, column
 // tile), the m-slot's tile from the schedule, then either the tail zeroing
@@ -587,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, MmaTile<BM, BN>::kMinBlocks)
                       const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                       GemmArgs a) {
   extern __shared__ __align__(128) unsigned char smem16[];
-  PdlTrigger();
+  PdlStart(a);
   ForEachTile<BM, BN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
     PdlWait();  // x may be the previous kernel's output
     GemmTile16<T, BM, BN>(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out, smem16);
@@ -722,7 +734,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     GroupGemmSkinnyKernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                           const int32_t* __restrict__ sizes, uint16_t* __restrict__ out,
                           GemmArgs a) {
-  PdlTrigger();
+  PdlStart(a);
   ForEachTile<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
     SkinnyTile<T, 2>(x, w, out, tile, a.src, n0, a.n, a.k, [] { PdlWait(); });
   });
@@ -737,7 +749,7 @@ __global__ void __launch_bounds__(kThreads, 4)
                                     const uint16_t* __restrict__ w,
                                     const int32_t* __restrict__ sizes,
                                     uint16_t* __restrict__ out, GemmArgs a) {
-  PdlTrigger();
+  PdlStart(a);
   ForEachTilePersistent<kSR, kSBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
     SkinnyTile<T, 1>(x, w, out, tile, a.src, n0, a.n, a.k, [] { PdlWait(); });
   });
@@ -789,7 +801,7 @@ __global__ void __launch_bounds__(TmaCfg<Consumers, Stages, KB>::kThreads)
   __shared__ uint64_t full[Stages], empty[Stages];
   __shared__ PersistSchedule sch;
   __shared__ int64_t s_sums[Consumers + 1];
-  PdlTrigger();
+  PdlStart(a);
   ScanSchedule<C::kRows, Consumers + 1>(a, sizes, sch, s_sums);
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
@@ -1081,7 +1093,7 @@ __device__ void GemmTileF32(const float* __restrict__ x, const float* __restrict
 __global__ void __launch_bounds__(kThreads, 2)
     GroupGemmF32Kernel(const float* __restrict__ x, const float* __restrict__ w,
                        const int32_t* __restrict__ sizes, float* __restrict__ out, GemmArgs a) {
-  PdlTrigger();
+  PdlStart(a);
   ForEachTile<kBMf, kBN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
     PdlWait();  // x may be the previous kernel's output
     GemmTileF32(x, w, out, tile, a.src, n0, a.n, a.k, a.vec_in, a.vec_out);
@@ -1207,8 +1219,10 @@ constexpr int64_t kTmaMinPerSm = 6;
 template <ffi::DataType DT>
 cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
                             const int32_t* sizes, void* out, const GemmDims& d,
-                            const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl = false) {
+                            const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl = false,
+                            bool wait_first = false) {
   GemmArgs a{};
+  a.wait_first = wait_first;
   a.m = d.m;
   a.n = d.n;
   a.k = d.k;
@@ -1325,17 +1339,18 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 
 cudaError_t LaunchGroupGemmFor(cudaStream_t stream, ffi::DataType dtype, const void* x,
                                const void* w, const int32_t* sizes, void* out, const GemmDims& d,
-                               const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl) {
+                               const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl,
+                               bool wait_first) {
   switch (dtype) {
     case ffi::DataType::F32:
       return LaunchGroupGemm<ffi::DataType::F32>(stream, x, w, sizes, out, d, rows, topk, tile_m,
-                                                 pdl);
+                                                 pdl, wait_first);
     case ffi::DataType::BF16:
       return LaunchGroupGemm<ffi::DataType::BF16>(stream, x, w, sizes, out, d, rows, topk, tile_m,
-                                                  pdl);
+                                                  pdl, wait_first);
     default:
       return LaunchGroupGemm<ffi::DataType::F16>(stream, x, w, sizes, out, d, rows, topk, tile_m,
-                                                 pdl);
+                                                 pdl, wait_first);
   }
 }
 

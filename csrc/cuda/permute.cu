@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "cuda/cuda_common.cuh"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
@@ -70,6 +71,7 @@ __global__ void CombineKernelT(const typename DevScalar<DT>::T* __restrict__ y,
   using T = typename S::T;
   static_assert(sizeof(T) * VEC == 16 || VEC == 1, "16-byte vectors or scalars");
   constexpr int kBatch = 8;
+  PdlWait();  // in moe_layer's call: y, w and s2d are this call's
   const int64_t h_step = static_cast<int64_t>(gridDim.y) * blockDim.x * VEC;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     for (int64_t h = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * VEC;
@@ -117,8 +119,10 @@ __global__ void CombineKernelT(const typename DevScalar<DT>::T* __restrict__ y,
   }
 }
 
-ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
-                       ffi::Buffer<ffi::S32> src_to_dst, ffi::Result<ffi::AnyBuffer> out) {
+}  // namespace
+
+ffi::Error CombineSteps(cudaStream_t stream, ffi::AnyBuffer y, F32In weights, S32In src_to_dst,
+                        AnyOut out, bool chained) {
   CombineDims d;
   if (auto err = CheckCombine(y, weights, src_to_dst, *out, &d); err.failure()) return err;
   const int64_t m = d.m, hidden = d.hidden, k = d.k, tokens = d.tokens;
@@ -136,17 +140,20 @@ ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
     constexpr int64_t kFewTokens = 512, kSlices = 8;
     const int64_t slices = tokens >= kFewTokens ? 1 : std::min<int64_t>(kSlices, CeilDiv(units, threads));
     const dim3 grid(GridFor(tokens, 1, 1u << 20), static_cast<unsigned>(slices));
-    if (vec == kVec) {
-      CombineKernelT<DT, kVec><<<grid, threads, 0, stream>>>(
-          yp, weights.typed_data(), src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
-          hidden, op);
-    } else {
-      CombineKernelT<DT, 1><<<grid, threads, 0, stream>>>(
-          yp, weights.typed_data(), src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
-          hidden, op);
-    }
-    return LastCudaError("moe_combine launch");
+    const bool pdl = chained && DeviceMajor() >= 9;
+    return CudaError(LaunchKernel(vec == kVec ? CombineKernelT<DT, kVec> : CombineKernelT<DT, 1>,
+                                  grid, threads, 0, stream, pdl, yp, weights.typed_data(),
+                                  src_to_dst.typed_data(), tokens, static_cast<int>(k), m,
+                                  hidden, op),
+                     "moe_combine launch");
   });
+}
+
+namespace {
+
+ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer y, F32In weights, S32In src_to_dst,
+                       AnyOut out) {
+  return CombineSteps(stream, y, weights, src_to_dst, out, false);
 }
 
 }  // namespace

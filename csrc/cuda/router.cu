@@ -9,6 +9,7 @@
 #include <climits>
 
 #include "cuda/cuda_common.cuh"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
@@ -67,6 +68,7 @@ template <typename T, typename Load>
 __global__ void RouteKernel(const T* __restrict__ logits, const float* __restrict__ bias,
                             int64_t rows, RouteParams p, float* __restrict__ weights,
                             int32_t* __restrict__ ids, Load load) {
+  PdlTrigger();  // in moe_layer's call the token index may start (it waits for this grid)
   // Per warp: `experts` choice keys, (grouped) `groups` group keys, k picks.
   extern __shared__ int32_t smem[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -181,6 +183,8 @@ struct LoadF32 { __device__ float operator()(float v) const { return v; } };
 struct LoadBf16 { __device__ float operator()(__nv_bfloat16 v) const { return __bfloat162float(v); } };
 struct LoadF16 { __device__ float operator()(__half v) const { return __half2float(v); } };
 
+}  // namespace
+
 ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias,
                            bool renormalize, int64_t scoring, int64_t num_expert_group,
                            int64_t topk_group, bool has_bias, float routed_scaling_factor,
@@ -217,8 +221,6 @@ ffi::Error TopkSoftmaxCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buff
     return LastCudaError("route launch");
   });
 }
-
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     kTopkSoftmaxCuda, TopkSoftmaxCuda,

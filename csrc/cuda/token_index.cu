@@ -11,6 +11,7 @@
 // Up to one chunk of entries (decode batches) one warp does all three steps in
 // a single launch, with the expert offsets in shared memory.
 #include "cuda/cuda_common.cuh"
+#include "layer_steps.h"
 #include "ops.h"
 #include "shape_checks.h"
 
@@ -24,6 +25,8 @@ __device__ __forceinline__ int LocalId(int32_t id, int64_t start, int local) {
 
 __global__ void CountKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
                             int local, int32_t* __restrict__ scratch) {
+  PdlWait();  // launched with PDL: its inputs may be the previous kernel's output
+  PdlTrigger();
   extern __shared__ int32_t hist[];
   for (int e = threadIdx.x; e < local; e += blockDim.x) hist[e] = 0;
   __syncthreads();
@@ -39,6 +42,8 @@ __global__ void CountKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
 
 __global__ void ScanKernel(int64_t chunks, int local, int32_t* __restrict__ scratch,
                            int32_t* __restrict__ sizes) {
+  PdlWait();  // launched with PDL: its inputs may be the previous kernel's output
+  PdlTrigger();
   extern __shared__ int32_t offset[];
   for (int e = threadIdx.x; e < local; e += blockDim.x) {
     int32_t total = 0;
@@ -100,6 +105,8 @@ __global__ void SmallIndexKernel(const int32_t* __restrict__ ids, int64_t n, int
                                  int local, int32_t* __restrict__ sizes,
                                  int32_t* __restrict__ src_to_dst,
                                  int32_t* __restrict__ dst_to_src) {
+  PdlWait();  // launched with PDL: its inputs may be the previous kernel's output
+  PdlTrigger();
   extern __shared__ int32_t base[];
   const int lane = threadIdx.x;
   for (int e = lane; e < local; e += 32) base[e] = 0;
@@ -138,6 +145,8 @@ __global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
                             int local, const int32_t* __restrict__ scratch,
                             int64_t chunks, int32_t* __restrict__ src_to_dst,
                             int32_t* __restrict__ dst_to_src) {
+  PdlWait();  // launched with PDL: its inputs may be the previous kernel's output
+  PdlTrigger();
   extern __shared__ int32_t base[];  // next free slot per expert for this chunk
   const int lane = threadIdx.x;      // one warp per block
   const int64_t c = blockIdx.x;
@@ -151,12 +160,11 @@ __global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
     if (p >= total) dst_to_src[p] = -1;
 }
 
-ffi::Error TokenIndexCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
-                          int64_t num_experts, int64_t start_expert,
-                          ffi::Result<ffi::Buffer<ffi::S32>> src_to_dst,
-                          ffi::Result<ffi::Buffer<ffi::S32>> dst_to_src,
-                          ffi::Result<ffi::Buffer<ffi::S32>> expert_sizes,
-                          ffi::Result<ffi::Buffer<ffi::S32>> scratch) {
+}  // namespace
+
+ffi::Error TokenIndexSteps(cudaStream_t stream, S32In topk_ids, int64_t num_experts,
+                           int64_t start_expert, S32Out src_to_dst, S32Out dst_to_src,
+                           S32Out expert_sizes, S32Out scratch, bool chained) {
   if (auto err = CheckTokenIndex(topk_ids, num_experts, start_expert, *src_to_dst, *dst_to_src,
                                  *expert_sizes);
       err.failure())
@@ -171,21 +179,35 @@ ffi::Error TokenIndexCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_ids,
   if (chunks > 0x7fffffff) return InvalidArg("moe_compute_token_index: too many entries");
   const int lc = static_cast<int>(local);
   int32_t* s = scratch->typed_data();
-  if (chunks <= 1) {  // decode-sized: one launch
-    SmallIndexKernel<<<1, 32, smem, stream>>>(topk_ids.typed_data(), n, start_expert, lc,
-                                              expert_sizes->typed_data(),
-                                              src_to_dst->typed_data(), dst_to_src->typed_data());
-    return LastCudaError("moe_compute_token_index launch");
-  }
-  if (chunks > 0)
-    CountKernel<<<static_cast<unsigned>(chunks), 256, smem, stream>>>(
-        topk_ids.typed_data(), n, start_expert, lc, s);
-  ScanKernel<<<1, 256, smem, stream>>>(chunks, lc, s, expert_sizes->typed_data());
-  if (chunks > 0)
-    PlaceKernel<<<static_cast<unsigned>(chunks), 32, smem, stream>>>(
-        topk_ids.typed_data(), n, start_expert, lc, s, chunks,
-        src_to_dst->typed_data(), dst_to_src->typed_data());
-  return LastCudaError("moe_compute_token_index launch");
+  const int32_t* ids = topk_ids.typed_data();
+  // The first launch follows the router when chained; the later ones follow
+  // this step's own kernels, inside this call either way.
+  const bool sm90 = DeviceMajor() >= 9, pdl = chained && sm90;
+  if (chunks <= 1)  // decode-sized: one launch
+    return CudaError(LaunchKernel(SmallIndexKernel, 1, 32, smem, stream, pdl, ids, n,
+                                  start_expert, lc, expert_sizes->typed_data(),
+                                  src_to_dst->typed_data(), dst_to_src->typed_data()),
+                     "moe_compute_token_index launch");
+  const unsigned grid = static_cast<unsigned>(chunks);
+  cudaError_t err = LaunchKernel(CountKernel, grid, 256, smem, stream, pdl, ids, n, start_expert,
+                                 lc, s);
+  if (err == cudaSuccess)
+    err = LaunchKernel(ScanKernel, 1, 256, smem, stream, sm90, chunks, lc, s,
+                       expert_sizes->typed_data());
+  if (err == cudaSuccess)
+    err = LaunchKernel(PlaceKernel, grid, 32, smem, stream, sm90, ids, n, start_expert, lc,
+                       static_cast<const int32_t*>(s), chunks, src_to_dst->typed_data(),
+                       dst_to_src->typed_data());
+  return CudaError(err, "moe_compute_token_index launch");
+}
+
+namespace {
+
+ffi::Error TokenIndexCuda(cudaStream_t stream, S32In topk_ids, int64_t num_experts,
+                          int64_t start_expert, S32Out src_to_dst, S32Out dst_to_src,
+                          S32Out expert_sizes, S32Out scratch) {
+  return TokenIndexSteps(stream, topk_ids, num_experts, start_expert, src_to_dst, dst_to_src,
+                         expert_sizes, scratch, false);
 }
 
 }  // namespace

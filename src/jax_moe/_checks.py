@@ -241,3 +241,37 @@ def route_args(router_logits, topk_value, scoring_func, num_expert_group, topk_g
     except TypeError:
         raise TypeError(f"routed_scaling_factor must be a Python float, got {routed_scaling_factor!r}") from None
     return k, groups, tg, scale
+
+
+def layer_args(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output=None, *,
+               is_gated: bool = True):
+    """Shapes and dtypes of the routed layer; returns topk as an int."""
+    rank(hidden_states, "hidden_states", 2)
+    rank(router_logits, "router_logits", 2)
+    rank(w13, "w13", 3)
+    rank(w2, "w2", 3)
+    float_dtype(hidden_states, "hidden_states")
+    float_dtype(router_logits, "router_logits")
+    same_dtype(hidden_states, "hidden_states", w13, "w13")
+    same_dtype(hidden_states, "hidden_states", w2, "w2")
+    tokens, hidden = hidden_states.shape
+    experts, up_width, h13 = w13.shape
+    if router_logits.shape[0] != tokens:
+        raise ValueError(
+            f"router_logits must be (T={tokens}, E), got {router_logits.shape}")
+    if router_logits.shape[1] != experts:
+        raise ValueError(
+            f"router_logits has E={router_logits.shape[1]} experts but w13 has {experts}")
+    if h13 != hidden:
+        raise ValueError(f"w13 must be (E, {'2*I' if is_gated else 'I'}, H={hidden}), got {w13.shape}")
+    if is_gated and up_width % 2:
+        raise ValueError(f"w13's second dimension must be 2*I (even), got {up_width}")
+    inter = up_width // 2 if is_gated else up_width
+    if w2.shape != (experts, hidden, inter):
+        raise ValueError(
+            f"w2 must be (E={experts}, H={hidden}, I={inter}), got {w2.shape}")
+    k = topk(topk_value, experts)
+    if shared_expert_output is not None and shared_expert_output.shape != (tokens, hidden):
+        raise ValueError(
+            f"shared_expert_output must be (T={tokens}, H={hidden}), got {shared_expert_output.shape}")
+    return k

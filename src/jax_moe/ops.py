@@ -28,6 +28,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "moe_combine",
+    "moe_layer",
 ]
 
 
@@ -231,3 +232,62 @@ def moe_combine(y, topk_weights, src_to_dst):
     call = jax.ffi.ffi_call(
         "jax_moe_combine", _sds((tokens, y.shape[1]), y.dtype), vmap_method="sequential")
     return call(y, topk_weights.astype(jnp.float32), src_to_dst.astype(jnp.int32))
+
+
+def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func: str = "softmax",
+              renormalize: bool = True, num_expert_group: int | None = None,
+              topk_group: int | None = None, e_score_correction_bias=None,
+              routed_scaling_factor: float = 1.0, activation: str = "silu",
+              is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 1-7 in one call, with the same bits as the ops one by one:
+    route, moe_compute_token_index, expert_mlp, moe_combine. hidden_states
+    (T, H), router_logits (T, E), w13 (E, 2*I, H) (or (E, I, H) with
+    is_gated=False), w2 (E, H, I) -> (T, H) in hidden_states' dtype. The
+    routing keywords are route's, activation / is_gated / tile_m expert_mlp's.
+
+    One call instead of four: on a compute capability 9.0+ GPU every kernel
+    after the router starts while the one before it finishes (programmatic
+    dependent launch, which under XLA's command buffers only works inside one
+    custom call). Where either GEMM's tile is the CUTLASS kernel's (256), the
+    ops run as separate calls, as in expert_mlp."""
+    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk, is_gated=is_gated)
+    _, groups, tg, scale = _checks.route_args(
+        router_logits, k, scoring_func, num_expert_group, topk_group,
+        e_score_correction_bias, routed_scaling_factor)
+    code = _checks.activation(activation)
+    t1, t2 = _checks.tile_pair(tile_m)
+    x = hidden_states
+    tokens, hidden = x.shape
+    experts, n1, _ = w13.shape
+    inter = w2.shape[2]
+    m = tokens * k
+    t1 = tuning.group_gemm_tile_m(m, experts, n1, hidden, x.dtype, t1)
+    t2 = tuning.group_gemm_tile_m(m, experts, hidden, inter, x.dtype, t2)
+    if tuning.SM90_TILE in (t1, t2):
+        weights, ids = route(router_logits, k, scoring_func=scoring_func, renormalize=renormalize,
+                             num_expert_group=num_expert_group, topk_group=topk_group,
+                             e_score_correction_bias=e_score_correction_bias,
+                             routed_scaling_factor=routed_scaling_factor)
+        src_to_dst, dst_to_src, sizes = moe_compute_token_index(ids, experts)
+        y = expert_mlp(x, w13, w2, sizes, dst_to_src, k, activation=activation,
+                       is_gated=is_gated, tile_m=(t1, t2))
+        return moe_combine(y, weights, src_to_dst)
+    has_bias = e_score_correction_bias is not None
+    bias = (jnp.asarray(e_score_correction_bias).astype(jnp.float32) if has_bias
+            else jnp.zeros((experts,), jnp.float32))
+    chunks = -(-m // INDEX_CHUNK)
+    i32 = jnp.int32
+    call = jax.ffi.ffi_call(
+        "jax_moe_moe_layer",
+        (_sds((tokens, hidden), x.dtype),
+         # scratch: the steps' outputs, as the separate ops return them
+         _sds((tokens, k), jnp.float32), _sds((tokens, k), i32), _sds((m,), i32),
+         _sds((m,), i32), _sds((experts,), i32), _sds((chunks * experts + 1,), i32),
+         _sds((m, hidden), x.dtype), _sds((m, n1), x.dtype), _sds((m, inter), x.dtype)),
+        vmap_method="sequential")
+    outs = call(x, router_logits, bias, w13, w2, renormalize=bool(renormalize),
+                scoring=np.int64(_SCORING[scoring_func]), num_expert_group=np.int64(groups),
+                topk_group=np.int64(tg), has_bias=bool(has_bias),
+                routed_scaling_factor=np.float32(scale), activation=np.int64(code),
+                gated=bool(is_gated), tile_m1=np.int64(t1), tile_m2=np.int64(t2))
+    return outs[0]

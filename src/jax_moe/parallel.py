@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_moe import _checks
-from jax_moe.pipeline import _BACKENDS, _validate
+from jax_moe.pipeline import _BACKENDS
 
 __all__ = ["moe_forward_sharded", "moe_shardings", "STRATEGIES", "AUTO_ALLGATHER_MAX_EP"]
 
@@ -131,7 +131,7 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     _checks.activation(activation)
     w13_3d = _w13_as_3d(w13)
-    k = _validate(hidden_states, router_logits, w13_3d, w2, topk, shared_expert_output)
+    k = _checks.layer_args(hidden_states, router_logits, w13_3d, w2, topk, shared_expert_output)
     routing = routing or _PLAIN_ROUTING
     _, groups, tg, scale = _checks.route_args(
         router_logits, k, routing["scoring_func"], routing["num_expert_group"],

@@ -15,40 +15,6 @@ __all__ = ["moe_forward", "MoEConfig", "MoELayer"]
 _BACKENDS = {"ffi": ops, "reference": reference}
 
 
-def _validate(hidden_states, router_logits, w13, w2, topk, shared_expert_output, *,
-              is_gated: bool = True):
-    """Shapes and dtypes of the routed layer; returns topk as an int."""
-    _checks.rank(hidden_states, "hidden_states", 2)
-    _checks.rank(router_logits, "router_logits", 2)
-    _checks.rank(w13, "w13", 3)
-    _checks.rank(w2, "w2", 3)
-    _checks.float_dtype(hidden_states, "hidden_states")
-    _checks.float_dtype(router_logits, "router_logits")
-    _checks.same_dtype(hidden_states, "hidden_states", w13, "w13")
-    _checks.same_dtype(hidden_states, "hidden_states", w2, "w2")
-    tokens, hidden = hidden_states.shape
-    experts, up_width, h13 = w13.shape
-    if router_logits.shape[0] != tokens:
-        raise ValueError(
-            f"router_logits must be (T={tokens}, E), got {router_logits.shape}")
-    if router_logits.shape[1] != experts:
-        raise ValueError(
-            f"router_logits has E={router_logits.shape[1]} experts but w13 has {experts}")
-    if h13 != hidden:
-        raise ValueError(f"w13 must be (E, {'2*I' if is_gated else 'I'}, H={hidden}), got {w13.shape}")
-    if is_gated and up_width % 2:
-        raise ValueError(f"w13's second dimension must be 2*I (even), got {up_width}")
-    inter = up_width // 2 if is_gated else up_width
-    if w2.shape != (experts, hidden, inter):
-        raise ValueError(
-            f"w2 must be (E={experts}, H={hidden}, I={inter}), got {w2.shape}")
-    k = _checks.topk(topk, experts)
-    if shared_expert_output is not None and shared_expert_output.shape != (tokens, hidden):
-        raise ValueError(
-            f"shared_expert_output must be (T={tokens}, H={hidden}), got {shared_expert_output.shape}")
-    return k
-
-
 def _validate_shared(hidden_states, shared_w13, shared_w2, shared_gate, is_gated):
     if (shared_w13 is None) != (shared_w2 is None):
         raise ValueError("shared_w13 and shared_w2 must be given together")
@@ -96,17 +62,12 @@ def _dense_mlp(impl, x, w_up, w_down, st: _Static):
 def _layer(impl, st: _Static, a: dict):
     """The layer on one backend; `a` holds the arrays (None where absent)."""
     x = a["hidden_states"]
-    w13 = a["w13"]
-    experts = w13.shape[0]
-    weights, ids = impl.route(
-        a["router_logits"], st.topk, scoring_func=st.scoring_func, renormalize=st.renormalize,
-        num_expert_group=st.num_expert_group, topk_group=st.topk_group,
-        e_score_correction_bias=a["e_score_correction_bias"],
-        routed_scaling_factor=st.routed_scaling_factor)
-    src_to_dst, dst_to_src, sizes = impl.moe_compute_token_index(ids, experts)
-    y = impl.expert_mlp(x, w13, a["w2"], sizes, dst_to_src, st.topk,  # steps 3-6
-                        activation=st.activation, is_gated=st.is_gated)
-    out = impl.moe_combine(y, weights, src_to_dst)
+    out = impl.moe_layer(  # steps 1-7, one call on the ffi backend
+        x, a["router_logits"], a["w13"], a["w2"], st.topk, scoring_func=st.scoring_func,
+        renormalize=st.renormalize, num_expert_group=st.num_expert_group,
+        topk_group=st.topk_group, e_score_correction_bias=a["e_score_correction_bias"],
+        routed_scaling_factor=st.routed_scaling_factor, activation=st.activation,
+        is_gated=st.is_gated)
 
     extra = None
     if a["shared_w13"] is not None:
@@ -176,8 +137,8 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
     _checks.activation(activation)
-    k = _validate(hidden_states, router_logits, w13, w2, topk, shared_expert_output,
-                  is_gated=is_gated)
+    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk, shared_expert_output,
+                           is_gated=is_gated)
     _, groups, tg, scale = _checks.route_args(
         router_logits, k, scoring_func, num_expert_group, topk_group,
         e_score_correction_bias, routed_scaling_factor)

@@ -25,6 +25,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "moe_combine",
+    "moe_layer",
 ]
 
 
@@ -176,3 +177,20 @@ def moe_combine(y, topk_weights, src_to_dst):
     rows = y[jnp.where(valid, src_to_dst, 0)].astype(jnp.float32).reshape(tokens, k, y.shape[1])
     w = jnp.where(valid.reshape(tokens, k), topk_weights.astype(jnp.float32), 0.0)
     return jnp.sum(rows * w[..., None], axis=1).astype(y.dtype)
+
+
+def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func: str = "softmax",
+              renormalize: bool = True, num_expert_group: int | None = None,
+              topk_group: int | None = None, e_score_correction_bias=None,
+              routed_scaling_factor: float = 1.0, activation: str = "silu",
+              is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 1-7: route, token index, expert_mlp, combine (tile_m is ignored)."""
+    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk, is_gated=is_gated)
+    weights, ids = route(router_logits, k, scoring_func=scoring_func, renormalize=renormalize,
+                         num_expert_group=num_expert_group, topk_group=topk_group,
+                         e_score_correction_bias=e_score_correction_bias,
+                         routed_scaling_factor=routed_scaling_factor)
+    src_to_dst, dst_to_src, sizes = moe_compute_token_index(ids, w13.shape[0])
+    y = expert_mlp(hidden_states, w13, w2, sizes, dst_to_src, k, activation=activation,
+                   is_gated=is_gated, tile_m=tile_m)
+    return moe_combine(y, weights, src_to_dst)
