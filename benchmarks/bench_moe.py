@@ -22,7 +22,7 @@ from datetime import date
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import chain, per_call_seconds, pyplot, wall_time, write_json
+from _bench_common import after, chain, per_call_seconds, pyplot, wall_time, write_json
 
 import jax_moe
 
@@ -71,14 +71,16 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
 
 def make_loop(backend: str, topk: int, calls: int, routing: dict):
     """`calls` layer calls in one jitted straight-line program (see
-    _bench_common.chain); call i routes with logits[i % R] and takes the
-    previous call's output as its input."""
+    _bench_common.chain); call i routes with logits[i % R], made to depend on
+    the previous call's output (_bench_common.after), and takes that output
+    as its input."""
 
     @jax.jit
     def run(x, logits, w13, w2, bias):
         def body(i, h):
-            return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk,
-                                       backend=backend, e_score_correction_bias=bias, **routing)
+            lg = after(logits[i % logits.shape[0]], h)
+            return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend,
+                                       e_score_correction_bias=bias, **routing)
         return chain(body, calls, x)
 
     return run

@@ -44,3 +44,42 @@ def test_few_calls_time_one_program(bench_common, calls):
     sec = bench_common.per_call_seconds(fake_program(5e-4, 2.7e-4, built), calls, repeats=3)
     assert sec == pytest.approx((5e-4 + calls * 2.7e-4) / calls, rel=1e-9)  # fixed cost included
     assert built == [calls]
+
+
+@pytest.mark.parametrize("dependent", [False, True], ids=["independent", "dependent"])
+def test_after_keeps_every_call_routing(bench_common, dependent):
+    # A chain of 12 layer calls whose logits rotate among 4 draws. Logits that
+    # do not depend on the chain let XLA deduplicate the router and token
+    # index to one call per draw; after() makes every call route.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_moe import ops
+    calls, draws, experts = 12, 4, 8
+
+    def layer(h, logits, w13, w2):
+        weights, ids = ops.route(logits, 2)
+        src_to_dst, dst_to_src, sizes = ops.moe_compute_token_index(ids, experts)
+        return ops.moe_combine(ops.expert_mlp(h, w13, w2, sizes, dst_to_src, 2), weights,
+                               src_to_dst)
+
+    def run(x, lg, w13, w2):
+        def body(i, h):
+            logits = lg[i % draws]
+            return layer(h, bench_common.after(logits, h) if dependent else logits, w13, w2)
+        return bench_common.chain(body, calls, x)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    lg = jnp.asarray(rng.standard_normal((draws, 4, experts)), jnp.float32)
+    w13 = jnp.asarray(rng.standard_normal((experts, 8, 16)) * 0.2, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((experts, 16, 4)) * 0.2, jnp.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        hlo = jax.jit(run).lower(x, lg, w13, w2).compile().as_text()
+        out = jax.jit(run)(x, lg, w13, w2)
+    routers = hlo.count('custom_call_target="jax_moe_topk_softmax"')
+    assert routers == (calls if dependent else draws)
+    h = x
+    for i in range(calls):  # after() does not change the values
+        h = layer(h, lg[i % draws], w13, w2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(h))
