@@ -13,7 +13,10 @@ global tokens / t.
 Timing is bench_moe.py's: one jitted straight-line program of `calls` layer calls, each
 call's output (sharded like its input) is the next call's input, the routing
 rotates among ROUTINGS random logits batches (stacked on a leading, unsharded
-axis, placed with the router_logits sharding). One warm-up run, then the median
+axis, placed with the router_logits sharding), each made to depend on the
+call's input (_bench_common.after: otherwise XLA deduplicates the routing of
+calls that share logits; the expert-only loop below keeps independent logits,
+so its routing may be deduplicated). One warm-up run, then the median
 of `repeats` runs, divided by `calls`: device time per layer.
 
 Expert time vs collectives. "expert µs" is the same per-device work with every
@@ -77,7 +80,7 @@ from datetime import date  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _bench_common import chain, wall_time, write_json  # noqa: E402
+from _bench_common import after, chain, wall_time, write_json  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -138,7 +141,7 @@ def single_loop(topk, calls):
     @jax.jit
     def run(x, logits, w13, w2):
         def body(i, h):
-            return jax_moe.moe_forward(h, logits[i % logits.shape[0]], w13, w2, topk)
+            return jax_moe.moe_forward(h, after(logits[i % logits.shape[0]], h), w13, w2, topk)
         return chain(body, calls, x)
     return run
 
@@ -147,8 +150,8 @@ def sharded_loop(mesh, strategy, topk, calls):
     @jax.jit
     def run(x, logits, w13, w2):
         def body(i, h):
-            return jax_moe.moe_forward_sharded(h, logits[i % logits.shape[0]], w13, w2, topk,
-                                               mesh=mesh, strategy=strategy)
+            return jax_moe.moe_forward_sharded(h, after(logits[i % logits.shape[0]], h), w13,
+                                               w2, topk, mesh=mesh, strategy=strategy)
         return chain(body, calls, x)
     return run
 
