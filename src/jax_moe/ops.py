@@ -47,6 +47,13 @@ def topk_softmax(router_logits, topk: int, renormalize: bool = True):
 _SCORING = {"softmax": 0, "sigmoid": 1}
 
 
+def _bias_arg(e_score_correction_bias, experts: int):
+    """(has_bias, the router kernel's f32 bias operand: zeros when there is none)."""
+    if e_score_correction_bias is None:
+        return False, jnp.zeros((experts,), jnp.float32)
+    return True, jnp.asarray(e_score_correction_bias).astype(jnp.float32)
+
+
 def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
           num_expert_group: int | None = None, topk_group: int | None = None,
           e_score_correction_bias=None, routed_scaling_factor: float = 1.0):
@@ -59,9 +66,7 @@ def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormaliz
         router_logits, topk, scoring_func, num_expert_group, topk_group,
         e_score_correction_bias, routed_scaling_factor)
     tokens, experts = router_logits.shape
-    has_bias = e_score_correction_bias is not None
-    bias = (jnp.asarray(e_score_correction_bias).astype(jnp.float32) if has_bias
-            else jnp.zeros((experts,), jnp.float32))
+    has_bias, bias = _bias_arg(e_score_correction_bias, experts)
     # broadcast_all hands the kernel logits (..., T, E) and bias (..., E) with
     # the same batch dims (an unbatched bias is broadcast): one bias row per
     # batch element.
@@ -272,9 +277,7 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
         y = expert_mlp(x, w13, w2, sizes, dst_to_src, k, activation=activation,
                        is_gated=is_gated, tile_m=(t1, t2))
         return moe_combine(y, weights, src_to_dst)
-    has_bias = e_score_correction_bias is not None
-    bias = (jnp.asarray(e_score_correction_bias).astype(jnp.float32) if has_bias
-            else jnp.zeros((experts,), jnp.float32))
+    has_bias, bias = _bias_arg(e_score_correction_bias, experts)
     chunks = -(-m // INDEX_CHUNK)
     i32 = jnp.int32
     call = jax.ffi.ffi_call(
