@@ -279,9 +279,14 @@ inline int DeviceMajor() {
 
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and for a kernel
 // launched without the attribute). A kernel calls PdlTrigger() once it may
-// let the next kernel of its stream start (every kernel here: at its start;
-// the next one still waits for it in PdlWait), and PdlWait() before it first
-// reads what the previous kernel wrote.
+// let the next kernel of its stream start (the next one still waits for it in
+// PdlWait), and PdlWait() before it first reads what the previous kernel
+// wrote. Every block of a kernel launched so waits before it exits, so a
+// wait covers all the kernels of the chain before. Here: the GEMM and
+// activation kernels trigger at their start (a GEMM waits first when its tile
+// schedule is the previous kernel's output: GemmArgs.wait_first), the token
+// index kernels right after their wait, the router at its start; the combine
+// only waits.
 __device__ __forceinline__ void PdlTrigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
