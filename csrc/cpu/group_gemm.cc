@@ -126,7 +126,6 @@ ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   });
 }
 
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
                               ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 

@@ -73,7 +73,6 @@ ffi::Error CombineCpu(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
   });
 }
 
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpandCpu, ExpandCpu, ExpandSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCombineCpu, CombineCpu, CombineSignature(ffi::Ffi::Bind()));

@@ -141,7 +141,6 @@ ffi::Error TopkSoftmaxCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, boo
   });
 }
 
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTopkSoftmaxCpu, TopkSoftmaxCpu,
                               TopkSoftmaxSignature(ffi::Ffi::Bind()));
 

@@ -54,7 +54,6 @@ ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
   return ffi::Error::Success();
 }
 
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCpu, TokenIndexCpu, TokenIndexSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe
