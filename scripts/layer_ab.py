@@ -100,7 +100,8 @@ def main() -> None:
                             f"(rounds {', '.join(f'{t:.1f}' for t in v)})")
                 forms = "; ".join(f"{f} call{'' if f == 'one' else 's'} {show(best[f])}"
                                   for f in FORMS)
-                print(f"{name} T={tokens} {mode}: {forms}; outputs {'bitwise equal' if same else 'DIFFER'}", flush=True)
+                equal = "bitwise equal" if same else "DIFFER"
+                print(f"{name} T={tokens} {mode}: {forms}; outputs {equal}", flush=True)
 
 
 if __name__ == "__main__":
