@@ -163,6 +163,14 @@ def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int 
     return _group_gemm_call(x, w, expert_sizes, dst_to_src, k, tile_m, dst_to_src.shape[0])
 
 
+def _mlp_tiles(m, w13, w2, dtype, tile_m):
+    """(w13's, w2's) tile_m for m rows: tile_m checked, None resolved by jax_moe.tuning."""
+    t1, t2 = _checks.tile_pair(tile_m)
+    experts, n1, hidden = w13.shape
+    return (tuning.group_gemm_tile_m(m, experts, n1, hidden, dtype, t1),
+            tuning.group_gemm_tile_m(m, experts, hidden, w2.shape[2], dtype, t2))
+
+
 def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
                is_gated: bool = True, tile_m: tuple | None = None):
     """Steps 3-6 in one call: group_gemm(act(group_gemm_gather(x, w13,
@@ -178,12 +186,10 @@ def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: s
     (the CUTLASS kernel) the three ops run as separate calls."""
     k, code = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
                                       is_gated)
-    t1, t2 = _checks.tile_pair(tile_m)
     experts, n1, hidden = w13.shape
     inter = w2.shape[2]
     m = dst_to_src.shape[0]
-    t1 = tuning.group_gemm_tile_m(m, experts, n1, hidden, x.dtype, t1)
-    t2 = tuning.group_gemm_tile_m(m, experts, hidden, inter, x.dtype, t2)
+    t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tile_m)
     if tuning.SM90_TILE in (t1, t2):
         h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, t1, m)
         a = _activation_call(h, activation, is_gated)
@@ -260,14 +266,12 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
         router_logits, k, scoring_func, num_expert_group, topk_group,
         e_score_correction_bias, routed_scaling_factor)
     code = _checks.activation(activation)
-    t1, t2 = _checks.tile_pair(tile_m)
     x = hidden_states
     tokens, hidden = x.shape
     experts, n1, _ = w13.shape
     inter = w2.shape[2]
     m = tokens * k
-    t1 = tuning.group_gemm_tile_m(m, experts, n1, hidden, x.dtype, t1)
-    t2 = tuning.group_gemm_tile_m(m, experts, hidden, inter, x.dtype, t2)
+    t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tile_m)
     if tuning.SM90_TILE in (t1, t2):
         weights, ids = route(router_logits, k, scoring_func=scoring_func, renormalize=renormalize,
                              num_expert_group=num_expert_group, topk_group=topk_group,
