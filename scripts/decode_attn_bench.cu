@@ -161,7 +161,8 @@ void RunCombine(const Problem& p) {  // the combine kernel alone (on the last pa
           p.split, g_ship.out);
 }
 
-void RunShipped(const Problem& p) {  // the split kernel, then the combine, as LaunchDecode does
+template <bool Pdl>  // Pdl: as LaunchDecode does on sm_90+
+void RunShipped(const Problem& p) {  // the split kernel, then the combine
   using C = MmaDecode<kD>;
   auto kern = DecodeSplitMmaKernel<ffi::DataType::BF16, kD>;
   const int smem = C::kFixedBytes + p.split * 4;
@@ -170,7 +171,15 @@ void RunShipped(const Problem& p) {  // the split kernel, then the combine, as L
       g_ship.q, reinterpret_cast<const __nv_bfloat16*>(p.k),
       reinterpret_cast<const __nv_bfloat16*>(p.v), p.table, p.lengths, kHq, kHkv, kHq / kHkv, 1,
       p.num_pages, p.page, p.max_pages, Splits(p), p.split, 0.088f, g_ship.po, g_ship.ps);
-  RunCombine(p);
+  if constexpr (!Pdl) {
+    RunCombine(p);
+  } else {
+    CK(LaunchKernel(DecodeCombineKernel<ffi::DataType::BF16, kD>,
+                    CeilDiv(p.batch * kHq, kCombineWarps), kCombineThreads, 0, 0, true,
+                    static_cast<const float*>(g_ship.po), static_cast<const float*>(g_ship.ps),
+                    p.lengths, int64_t{kHq}, int64_t{p.batch * kHq}, p.max_pages * p.page,
+                    Splits(p), int64_t{p.split}, g_ship.out));
+  }
 }
 
 void RunStream(const Problem& p) {
@@ -204,7 +213,8 @@ int main(int argc, char** argv) {
   const char* only_splits = argc > 2 ? argv[2] : nullptr;
   const Variant variants[] = {
       {"stream (contiguous)", RunStream},
-      {"shipped kernel + combine", RunShipped},
+      {"shipped: combine with PDL", RunShipped<true>},
+      {"split + combine, no PDL", RunShipped<false>},
       {"combine alone", RunCombine},
       {"copy 2st setup-loop", RunCopy<2, 0, false>},
       {"copy 2st setup-unrolled", RunCopy<2, 1, false>},

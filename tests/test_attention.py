@@ -195,11 +195,29 @@ def test_decode_split_tokens_rule():
     assert attention.decode_split_tokens(4096, 64, 8, 1 << 20, jnp.float32) == 2048
 
 
-def test_decode_zero_length_gives_zero(rng):
-    kp, vp, table, ln = make_cache(rng, [0, 5], 16, 1, 64, jnp.float32)
-    q = normal(rng, (2, 2, 64), jnp.float32)
-    out = check_decode(q, kp, vp, table, ln, jnp.float32)
-    assert_equal(out[0], np.zeros((2, 64), np.float32), "empty sequence")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_decode_zero_length_gives_zero(rng, dtype):
+    kp, vp, table, ln = make_cache(rng, [0, 5], 16, 1, 64, dtype)
+    q = normal(rng, (2, 2, 64), dtype)
+    out = check_decode(q, kp, vp, table, ln, dtype)
+    assert_equal(out[0], jnp.zeros((2, 64), dtype), "empty sequence")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_decode_empty_sequences_between_split_ones(rng, dtype):
+    """On the GPU the last split of a (sequence, kv head, head chunk) to finish
+    merges them all: empty sequences beside ones of many splits, a length
+    on a split boundary, and two head chunks (GQA 12)."""
+    st = 64
+    lengths = [0, 5 * st + 17, 0, st, 2 * st]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, 64, dtype)
+    q = normal(rng, (len(lengths), 24, 64), dtype)
+    f = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=st))
+    out = f(q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, "decode vs reference")
+    for i in (0, 2):
+        assert_equal(out[i], jnp.zeros((24, 64), dtype), f"empty sequence {i}")
+    assert_equal(out, f(q, kp, vp, table, ln), "run to run")
 
 
 def test_decode_bad_values_under_jit_are_skipped(rng):

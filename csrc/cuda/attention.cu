@@ -459,6 +459,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
   __syncthreads();
+  PdlTrigger();  // the combine may launch once every block is this far (it waits for the writes)
   StoreSplit<GC, D, false>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
 }
 
@@ -661,6 +662,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
   __syncthreads();
+  PdlTrigger();  // the combine may launch once every block is this far (it waits for the writes)
   StoreSplit<kMmaRows, D, true>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
 }
 
@@ -686,6 +688,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   using S = DevScalar<DT>;
   constexpr int kE = D / 32;  // elements per lane
   static_assert(D % 32 == 0 && (kE == 2 || kE % 4 == 0), "combine layout");
+  PdlWait();  // launched with PDL: the split kernel's partials
   const int lane = threadIdx.x % 32;
   const int64_t bh = blockIdx.x * int64_t{kCombineWarps} + threadIdx.x / 32;
   if (bh >= rows) return;  // warp-uniform
@@ -777,10 +780,14 @@ ffi::Error LaunchDecode(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
       part_stats);
   if (auto err = LastCudaError("paged_decode split launch"); err.failure()) return err;
   const int64_t out_rows = d.batch * d.hq;
-  DecodeCombineKernel<DT, D><<<CeilDiv(out_rows, kCombineWarps), kCombineThreads, 0, stream>>>(
-      part_out, part_stats, lengths, d.hq, out_rows, d.max_tokens, d.num_splits, d.split_tokens,
-      static_cast<T*>(out));
-  return LastCudaError("paged_decode combine launch");
+  // With PDL (sm_90+) the combine's blocks are resident when the split
+  // kernel's last blocks finish.
+  return CudaError(
+      LaunchKernel(DecodeCombineKernel<DT, D>, CeilDiv(out_rows, kCombineWarps), kCombineThreads,
+                   0, stream, DeviceMajor() >= 9, static_cast<const float*>(part_out),
+                   static_cast<const float*>(part_stats), lengths, d.hq, out_rows, d.max_tokens,
+                   d.num_splits, d.split_tokens, static_cast<T*>(out)),
+      "paged_decode combine launch");
 }
 
 template <ffi::DataType DT, int D, int GC>
