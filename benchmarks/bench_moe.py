@@ -17,6 +17,7 @@ of the experts the batch touches plus activations in and out.
 from __future__ import annotations
 
 import argparse
+import math
 from datetime import date
 
 import jax
@@ -69,24 +70,36 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
 
 
 
-def make_loop(backend: str, topk: int, calls: int, routing: dict):
+def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 1):
     """`calls` layer calls in one jitted straight-line program (see
     _bench_common.chain); call i routes with logits[i % R], made to depend on
     the previous call's output (_bench_common.after), and takes that output
-    as its input."""
+    as its input. chunks > 1: each call runs the layer on `chunks` equal
+    slices of the tokens one after another (lax.map; routing is per token, so
+    the result is the same), for a path that cannot compile the whole batch."""
+
+    def layer(h, lg, w13, w2, bias):
+        return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend,
+                                   e_score_correction_bias=bias, **routing)
 
     @jax.jit
     def run(x, logits, w13, w2, bias):
         def body(i, h):
             lg = after(logits[i % logits.shape[0]], h)
-            return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend,
-                                       e_score_correction_bias=bias, **routing)
+            if chunks == 1:
+                return layer(h, lg, w13, w2, bias)
+            t = h.shape[0]
+            out = jax.lax.map(lambda a: layer(a[0], a[1], w13, w2, bias),
+                              (h.reshape(chunks, t // chunks, -1),
+                               lg.reshape(chunks, t // chunks, -1)))
+            return out.reshape(h.shape)
         return chain(body, calls, x)
 
     return run
 
 
-def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_rate, rng):
+def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_rate, rng,
+               ref_chunks=1):
     h, i, e, k = shape
     keys = jax.random.split(jax.random.PRNGKey(rng.integers(1 << 30)), 4)
     x = (jax.random.normal(keys[0], (tokens, h), jnp.float32)).astype(dtype)
@@ -106,27 +119,32 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_
     floor = max(nbytes / bw, flops / flops_rate)
 
     row = {"shape": name, "tokens": tokens, "H": h, "I": i, "E": e, "k": k,
-           "experts_touched": float(touched), "floor_us": floor * 1e6}
+           "experts_touched": float(touched), "floor_us": floor * 1e6, "reference_chunks": None}
     for backend, n_calls in (("ffi", calls), ("reference", ref_calls)):
+        row[f"{backend}_us"] = None
         if n_calls == 0:  # --ref-calls 0: the pure-JAX path is not timed
-            row[f"{backend}_us"] = None
             continue
-        def program(n, backend=backend):
-            run = make_loop(backend, k, n, routing)
-            run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
-            return lambda: run(x, logits, w13, w2, bias).block_until_ready()
+        chunks = 1 if backend == "ffi" else math.gcd(ref_chunks, tokens)
+        while tokens % chunks == 0:
+            def program(n, backend=backend, chunks=chunks):
+                run = make_loop(backend, k, n, routing, chunks)
+                run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
+                return lambda: run(x, logits, w13, w2, bias).block_until_ready()
 
-        try:
-            sec = per_call_seconds(program, n_calls, repeats)
-        except jax.errors.JaxRuntimeError as exc:
-            if backend == "ffi":
-                raise
-            # XLA lowers ragged_dot densely on some backends: at large T it
-            # needs more memory than the device has. Recorded, not hidden.
-            print(f"  pure-JAX path failed for {name} T={tokens}: {str(exc).splitlines()[0][:120]}")
-            row[f"{backend}_us"] = None
-            continue
-        row[f"{backend}_us"] = sec * 1e6
+            try:
+                row[f"{backend}_us"] = per_call_seconds(program, n_calls, repeats) * 1e6
+                break
+            except jax.errors.JaxRuntimeError as exc:
+                if backend == "ffi":
+                    raise
+                # XLA lowers ragged_dot densely on the GPU (every row against
+                # every expert): at large T it needs more memory than the
+                # device has. Retried on token slices, and said so.
+                print(f"  pure-JAX path failed for {name} T={tokens} in {chunks} slice(s): "
+                      f"{str(exc).splitlines()[0][:100]}")
+                chunks *= 2
+        if backend == "reference" and row["reference_us"] is not None:
+            row["reference_chunks"] = chunks
     row["pct_of_floor"] = 100.0 * floor / (row["ffi_us"] * 1e-6)
     row["tflops"] = flops / (row["ffi_us"] * 1e-6) / 1e12
     ref = row["reference_us"]
@@ -171,6 +189,11 @@ def main() -> None:
                    help="calls per timed loop of the pure-JAX path (slow at large T; default 10, "
                         "a slope against 2 calls: with 5 against 1, Mixtral T=16 read 580-725 "
                         "µs in two H200 runs; 0 skips it)")
+    p.add_argument("--ref-chunks", type=int, default=1,
+                   help="token slices the pure-JAX path starts with (at most what divides T; "
+                        "doubled while it fails, e.g. out of memory; the table marks the count "
+                        "used, after a '/'). Slices run in a lax.map: on the GPU its while loop "
+                        "adds a host round trip per slice, small beside a slice's milliseconds")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="bench_moe.json")
     p.add_argument("--plot", default="bench_moe.png")
@@ -196,6 +219,7 @@ def main() -> None:
             "floor_bandwidth_Bps": bw, "floor_matmul_flops": rate,
             "measured_bandwidth_Bps": measured_bw, "measured_matmul_flops": measured_rate,
             "quick": args.quick, "calls": {t: calls_for(t) for t in tokens}, "ref_calls": ref_calls,
+            "ref_chunks": args.ref_chunks,
             "repeats": repeats}
     rng = np.random.default_rng(0)
     rows = []
@@ -204,11 +228,14 @@ def main() -> None:
           f"{'TFLOP/s':>9}{'pure JAX µs':>13}{'speed-up':>9}")
     for name, shape in shapes.items():
         for t in tokens:
-            r = bench_case(name, shape, t, dtype, calls_for(t), ref_calls, repeats, bw, rate, rng)
+            r = bench_case(name, shape, t, dtype, calls_for(t), ref_calls, repeats, bw, rate, rng,
+                           args.ref_chunks)
             rows.append(r)
             write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
             ref = ("-" if ref_calls == 0 else "failed") if r["reference_us"] is None \
                 else f"{r['reference_us']:.1f}"
+            if (r["reference_chunks"] or 1) > 1:
+                ref += f" /{r['reference_chunks']}"  # run on that many token slices
             speed = "-" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:.2f}x"
             print(f"{name:<16}{t:>6}{r['floor_us']:>10.1f}{r['ffi_us']:>12.1f}"
                   f"{r['pct_of_floor']:>8.1f}%{r['tflops']:>9.1f}{ref:>13}{speed:>9}", flush=True)

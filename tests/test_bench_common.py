@@ -3,6 +3,7 @@ short program cancels a fixed per-program cost. Program times are faked (a
 program of n calls "takes" fixed + n * per seconds, with a different fixed
 cost on every run) so that the test checks the arithmetic, not the clock."""
 
+import importlib
 import importlib.util
 import os
 
@@ -83,3 +84,26 @@ def test_after_keeps_every_call_routing(bench_common, dependent):
     for i in range(calls):  # after() does not change the values
         h = layer(h, lg[i % draws], w13, w2)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(h))
+
+
+@pytest.mark.parametrize("backend", ["reference", "ffi"])
+def test_bench_moe_token_slices_give_the_same_layer(monkeypatch, backend):
+    # bench_moe's fallback for a pure-JAX path that cannot compile the whole
+    # batch: the layer on token slices (lax.map) must compute the same chain.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    bench_moe = importlib.import_module("bench_moe")
+    rng = np.random.default_rng(1)
+    t, h, i, e, k = 8, 16, 8, 4, 2
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    lg = jnp.asarray(rng.standard_normal((3, t, e)), jnp.float32)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.2, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.2, jnp.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        outs = [np.asarray(bench_moe.make_loop(backend, k, 5, {}, chunks)(x, lg, w13, w2, None))
+                for chunks in (1, 2, 4)]
+    assert np.abs(outs[0]).max() > 0
+    for got in outs[1:]:
+        np.testing.assert_allclose(got, outs[0], rtol=1e-5, atol=1e-6)
