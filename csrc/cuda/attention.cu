@@ -14,8 +14,13 @@
 //     written to the scratch outputs part_stats (B, Hq, S, 2) and part_out
 //     (B, Hq, S, D). No allocation: the scratch is an extra output of the
 //     custom call.
-//  2. DecodeCombineKernel: one block per (b, query head); merges the splits
-//     holding tokens, in split order.
+//  2. DecodeCombineKernel: one warp per (b, query head); merges the splits
+//     holding tokens, in split order. On sm_90+ it is launched with
+//     programmatic dependent launch, so its blocks are resident when the
+//     split kernel's last blocks finish (0.6-1.6 us of ~268 us, run 15.5).
+//     Merging in the split kernel's last block instead (an arrival counter
+//     per block column) was slower: every block's fence and atomic, and the
+//     merges in the grid's tail, cost 17-57 us (benchmarks/RESULTS.md).
 // Semantics are those of the CPU handler (csrc/cpu/attention.cc): lengths are
 // clamped to [0, max_pages * page_size], tokens on a page id outside
 // [0, num_pages) are skipped, and a sequence without valid tokens gives 0.
