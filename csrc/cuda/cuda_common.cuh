@@ -286,7 +286,8 @@ inline int DeviceMajor() {
 // activation kernels trigger at their start (a GEMM waits first when its tile
 // schedule is the previous kernel's output: GemmArgs.wait_first), the token
 // index kernels right after their wait, the router at its start; the combine
-// only waits.
+// only waits. Paged decode: the split kernels trigger after their main loop,
+// the decode combine only waits.
 __device__ __forceinline__ void PdlTrigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
