@@ -665,11 +665,17 @@ MOE_LAYER_CASES = [
     (9, 40, 16, 1, 1, None, {}),
     (12, 64, 24, 4, 1, [2], {}),
     (20, 48, 8, 8, 2, [1, 2, 3, 5, 6], {}),
+    # Grouped routing with a bias at decode size; T * k = 256 (on CUDA the
+    # largest token index of one launch) and 264 (three kernels).
+    (16, 64, 24, 16, 4, None, dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                                   routed_scaling_factor=2.5)),
+    (32, 48, 16, 64, 8, None, {}),
+    (33, 48, 16, 64, 8, None, {}),
     (300, 64, 24, 16, 4, None, dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
                                     routed_scaling_factor=2.5)),
 ]
 MOE_LAYER_IDS = ["T1", "topk_eq_E", "H13_no_renorm", "one_expert", "all_on_one", "empty_edges",
-                 "grouped_sigmoid_T300"]
+                 "grouped_sigmoid_T16", "T32_k8", "T33_k8", "grouped_sigmoid_T300"]
 
 
 def _moe_layer_inputs(rng, case, dtype, gated=True):
