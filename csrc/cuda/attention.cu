@@ -117,7 +117,10 @@ constexpr int kStages = 3;
 constexpr int kStageVecs = kStageBytes / 16;               // 16-byte chunks per stage and tensor
 constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kStageBytes;
 // The ring, then the cache slot of each token of the split (int32: the
-// handler rejects caches of 2^31 slots or more).
+// handler rejects caches of 2^31 slots or more). The split kernels keep all
+// their shared memory in this dynamic buffer: 16-80 bytes of static
+// __shared__ variables beside it made the bf16 kernel 12-25% slower on the
+// H200 with the same registers (run 15.3, benchmarks/RESULTS.md).
 constexpr int kDecodeSmem = kRingBytes + kDecodeMaxSplitTokens * static_cast<int>(sizeof(int32_t));
 
 // Lane layout of a warp over K/V rows of D elements of type T: kVec elements
