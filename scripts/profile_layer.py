@@ -5,6 +5,7 @@ largest first, with the sum and the wall time per call for comparison.
 
     python3 scripts/profile_layer.py deepseek_v3 1024 [calls] [trace dir]
 """
+import os
 import sys
 import time
 
@@ -13,6 +14,9 @@ import jax.numpy as jnp
 
 import jax_moe
 from _trace import device_time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from _bench_common import after  # noqa: E402
 
 name, tokens = sys.argv[1], int(sys.argv[2])
 calls = int(sys.argv[3]) if len(sys.argv) > 3 else 5
@@ -28,7 +32,8 @@ w2 = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5).astype(jnp.b
 @jax.jit
 def run(x, logits, w13, w2):
     for c in range(calls):  # straight-line, each call on the previous output
-        x = jax_moe.moe_forward(x, logits[c], w13, w2, k)
+        # its logits made to depend on that output, as in bench_moe.py
+        x = jax_moe.moe_forward(x, after(logits[c], x), w13, w2, k)
     return x
 
 
