@@ -205,9 +205,9 @@ def test_decode_zero_length_gives_zero(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_decode_empty_sequences_between_split_ones(rng, dtype):
-    """On the GPU the last split of a (sequence, kv head, head chunk) to finish
-    merges them all: empty sequences beside ones of many splits, a length
-    on a split boundary, and two head chunks (GQA 12)."""
+    """Empty sequences beside ones of many splits (the GPU's combine merges
+    only the splits that hold tokens), a length on a split boundary, and two
+    head chunks (GQA 12)."""
     st = 64
     lengths = [0, 5 * st + 17, 0, st, 2 * st]
     kp, vp, table, ln = make_cache(rng, lengths, 16, 2, 64, dtype)
