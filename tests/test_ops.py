@@ -203,6 +203,18 @@ def test_token_index(rng, shape, pattern):
     assert_equal(sizes, np.bincount(ids.ravel(), minlength=experts).astype(np.int32), "histogram")
 
 
+@pytest.mark.sanitize
+def test_token_index_small_sanitize(rng):
+    # Small cases for compute-sanitizer: the one-launch kernel (one entry;
+    # 94 experts per lane), the three kernels over several chunks with a
+    # partial last chunk and scan blocks of 2 and 13 experts, and more chunks
+    # (266) than one round of the scan's loads (256).
+    for (tokens, k, experts), start, local in [((1, 1, 1), 0, None), ((30, 8, 3000), 0, None),
+                                               ((129, 2, 8), 3, 2), ((300, 8, 64), 5, 13),
+                                               ((17_000, 4, 8), 0, None)]:
+        _check_index(random_ids(rng, tokens, k, experts), experts, start, local)
+
+
 LOCAL_RANGES = [  # (E, start_expert, num_local_experts)
     (8, 0, 8), (8, 0, 3), (8, 3, 2), (8, 5, 3), (8, 7, 1), (8, 2, None), (64, 16, 16), (1, 0, 1)]
 
@@ -812,12 +824,16 @@ def test_group_gemm_sm90_small_sanitize(rng):
 @half_dtypes
 @pytest.mark.parametrize("tail", [False, True], ids=["all_rows", "tail"])
 @pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 72, 6, 3), (300, 200, 136, 4, 2),
-                                   (600, 64, 256, 2, 2)],
-                         ids=["T1", "T37", "T300", "T600_wide"])
+                                   (600, 64, 256, 2, 2), (2200, 64, 136, 4, 2),
+                                   (40, 2056, 72, 4, 3)],
+                         ids=["T1", "T37", "T300", "T600_wide", "T2200", "T40_K2056"])
 def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
     # The sm90 path expands the gathered rows (invalid entries: zero rows)
-    # before its GEMM. With `tail`, the last non-empty expert's rows are left
-    # out of expert_sizes: they must come out zero.
+    # before its GEMM: 4400 rows (T2200) are more than one pass of the prep
+    # grid (8 blocks per SM, 1056 rows on 132 SMs); K = 2056 (257 16-byte
+    # vectors) takes two passes of its 256 threads along a row. With `tail`,
+    # the last non-empty expert's rows are left out of expert_sizes: they
+    # must come out zero.
     tokens, k, n, experts, topk = shape
     x = normal(rng, (tokens, k), dtype)
     w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))

@@ -1,13 +1,17 @@
 // Step 2 on the GPU: a stable counting sort of the flat (token, slot) entries
 // by local expert id, in three launches with no host round trip:
 //   count : per-chunk histograms           -> scratch[chunk][expert]
-//   scan  : per-expert totals (expert_sizes), exclusive offsets, and each
-//           chunk's first slot per expert  -> scratch[chunk][expert]
-//   place : one warp per chunk walks its entries in order; lanes with the same
-//           expert get consecutive slots via __match_any_sync, so the order
-//           inside an expert is the flat order (stable), as on the CPU.
-// scratch[chunks * local] holds the number of placed rows, so `place` can
-// mark the unused tail of dst_to_src with -1.
+//   scan  : a warp per expert: its total (expert_sizes) and each chunk's
+//           first slot within the expert   -> scratch[chunk][expert]
+//   place : one warp per chunk adds the experts' offsets (an exclusive scan
+//           of expert_sizes, redone per chunk: E is small) and walks its
+//           entries in order; lanes with the same expert get consecutive
+//           slots via __match_any_sync, so the order inside an expert is the
+//           flat order (stable), as on the CPU. Past the placed rows,
+//           dst_to_src gets -1.
+// Each kernel issues its global loads together before it uses them: these
+// kernels are a few dependent loads each, so latency is their whole cost
+// (a serial scan over the chunks took 14 us at 65536 entries, H200).
 // Up to one chunk of entries (decode batches) one warp does all three steps in
 // a single launch, with the expert offsets in shared memory.
 #include "cuda/cuda_common.cuh"
@@ -40,51 +44,98 @@ __global__ void CountKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
   for (int e = threadIdx.x; e < local; e += blockDim.x) out[e] = hist[e];
 }
 
-__global__ void ScanKernel(int64_t chunks, int local, int32_t* __restrict__ scratch,
-                           int32_t* __restrict__ sizes) {
+constexpr int kScanWarps = 8;  // experts per scan block
+constexpr int kScanLoads = 8;  // chunk counts in flight per lane
+
+// Warp per expert e: scratch[c][e] (chunk c's count) becomes the number of e's
+// entries in chunks before c; sizes[e] the total.
+__global__ void __launch_bounds__(kScanWarps * 32)
+    ScanKernel(int64_t chunks, int local, int32_t* __restrict__ scratch,
+               int32_t* __restrict__ sizes) {
   PdlWait();  // launched with PDL: its inputs may be the previous kernel's output
   PdlTrigger();
-  extern __shared__ int32_t offset[];
-  for (int e = threadIdx.x; e < local; e += blockDim.x) {
-    int32_t total = 0;
-#pragma unroll 8  // independent loads in flight; only the sum is serial
-    for (int64_t c = 0; c < chunks; ++c) total += scratch[c * local + e];
-    sizes[e] = total;
-    offset[e] = total;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive prefix over experts: O(E), E is small
-    int32_t run = 0;
-    for (int e = 0; e < local; ++e) {
-      int32_t v = offset[e];
-      offset[e] = run;
-      run += v;
+  const int lane = threadIdx.x % 32;
+  const int e = blockIdx.x * kScanWarps + threadIdx.x / 32;
+  if (e >= local) return;  // warp-uniform
+  int32_t run = 0;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 32 * kScanLoads) {
+    int32_t v[kScanLoads];
+#pragma unroll
+    for (int j = 0; j < kScanLoads; ++j) {
+      const int64_t c = c0 + 32 * j + lane;
+      v[j] = c < chunks ? scratch[c * local + e] : 0;
     }
-    scratch[chunks * local] = run;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < local; e += blockDim.x) {
-    int32_t run = offset[e];
-#pragma unroll 8
-    for (int64_t c = 0; c < chunks; ++c) {
-      int32_t v = scratch[c * local + e];
-      scratch[c * local + e] = run;
-      run += v;
+#pragma unroll
+    for (int j = 0; j < kScanLoads; ++j) {
+      int32_t incl = v[j];
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += u;
+      }
+      const int64_t c = c0 + 32 * j + lane;
+      if (c < chunks) scratch[c * local + e] = run + incl - v[j];
+      run += __shfl_sync(0xffffffffu, incl, 31);
     }
+  }
+  if (lane == 0) sizes[e] = run;
+}
+
+// One warp: base[e] = counts[0] + ... + counts[e - 1] for e < local (lane
+// owns a contiguous segment of experts; counts may alias base), also copied
+// to sizes[e] = counts[e] when sizes is given. Returns the total in every
+// lane; base is visible to the whole warp on return.
+__device__ __forceinline__ int32_t WarpExpertOffsets(const int32_t* counts, int local,
+                                                     int32_t* base, int32_t* sizes) {
+  const int lane = threadIdx.x % 32;
+  const int per = (local + 31) / 32;
+  const int b0 = min(lane * per, local), b1 = min(b0 + per, local);
+  int32_t seg = 0;
+  for (int e = b0; e < b1; ++e) seg += counts[e];
+  int32_t incl = seg;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += u;
+  }
+  const int32_t total = __shfl_sync(0xffffffffu, incl, 31);
+  int32_t run = incl - seg;
+  for (int e = b0; e < b1; ++e) {  // only this lane's segment: no hazard
+    const int32_t v = counts[e];
+    if (sizes != nullptr) sizes[e] = v;
+    base[e] = run;
+    run += v;
+  }
+  __syncwarp();
+  return total;
+}
+
+// Stable placement of entries [begin, end), end - begin <= kIndexChunk, by one
+// warp, `base` holding each expert's next free slot: lanes with the same
+// expert get consecutive slots via __match_any_sync, in flat order. The
+// expert ids come in registers (LoadChunkIds). The whole warp must call it.
+constexpr int kIdsPerLane = static_cast<int>(kIndexChunk / 32);
+
+__device__ __forceinline__ void LoadChunkIds(const int32_t* __restrict__ ids, int64_t begin,
+                                             int64_t end, int64_t start, int local,
+                                             int (&e)[kIdsPerLane]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kIdsPerLane; ++j) {
+    const int64_t i = begin + 32 * j + lane;
+    e[j] = i < end ? LocalId(ids[i], start, local) : -1;
   }
 }
 
-// Stable placement of entries [begin, end) by one warp, `base` holding each
-// expert's next free slot: lanes with the same expert get consecutive slots
-// via __match_any_sync, in flat order. The whole warp must call it.
-__device__ __forceinline__ void PlaceChunk(const int32_t* __restrict__ ids, int64_t begin,
-                                           int64_t end, int64_t start, int local, int32_t* base,
+__device__ __forceinline__ void PlaceChunk(const int (&ex)[kIdsPerLane], int64_t begin,
+                                           int64_t end, int32_t* base,
                                            int32_t* __restrict__ src_to_dst,
                                            int32_t* __restrict__ dst_to_src) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t i0 = begin; i0 < end; i0 += 32) {
-    const int64_t i = i0 + lane;
-    const int e = i < end ? LocalId(ids[i], start, local) : -1;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kIdsPerLane; ++j) {
+    const int64_t i = begin + 32 * j + lane;
+    const int e = ex[j];
     const unsigned same = __match_any_sync(0xffffffffu, e);
     const int rank = __popc(same & ((1u << lane) - 1u));
     if (e >= 0) {
@@ -109,53 +160,37 @@ __global__ void SmallIndexKernel(const int32_t* __restrict__ ids, int64_t n, int
   PdlTrigger();
   extern __shared__ int32_t base[];
   const int lane = threadIdx.x;
+  int ex[kIdsPerLane];
+  LoadChunkIds(ids, 0, n, start, local, ex);
   for (int e = lane; e < local; e += 32) base[e] = 0;
   __syncwarp();
-  for (int64_t i = lane; i < n; i += 32) {
-    const int e = LocalId(ids[i], start, local);
-    if (e >= 0) atomicAdd(&base[e], 1);
-  }
-  __syncwarp();
-  // Exclusive scan over experts: lane owns a contiguous segment of them.
-  const int per = (local + 31) / 32;
-  const int b0 = min(lane * per, local), b1 = min(b0 + per, local);
-  int32_t seg = 0;
-  for (int e = b0; e < b1; ++e) seg += base[e];
-  int32_t incl = seg;
 #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += u;
-  }
-  const int32_t total = __shfl_sync(0xffffffffu, incl, 31);
-  int32_t run = incl - seg;
-  for (int e = b0; e < b1; ++e) {  // only this lane's segment: no hazard
-    const int32_t v = base[e];
-    sizes[e] = v;
-    base[e] = run;
-    run += v;
-  }
+  for (int j = 0; j < kIdsPerLane; ++j)
+    if (ex[j] >= 0) atomicAdd(&base[ex[j]], 1);
   __syncwarp();
-  PlaceChunk(ids, 0, n, start, local, base, src_to_dst, dst_to_src);
+  const int32_t total = WarpExpertOffsets(base, local, base, sizes);
+  PlaceChunk(ex, 0, n, base, src_to_dst, dst_to_src);
   for (int64_t p = lane; p < n; p += 32)
     if (p >= total) dst_to_src[p] = -1;
 }
 
 __global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t start,
                             int local, const int32_t* __restrict__ scratch,
-                            int64_t chunks, int32_t* __restrict__ src_to_dst,
+                            const int32_t* __restrict__ sizes, int32_t* __restrict__ src_to_dst,
                             int32_t* __restrict__ dst_to_src) {
   PdlWait();  // launched with PDL: its inputs may be the previous kernel's output
   PdlTrigger();
   extern __shared__ int32_t base[];  // next free slot per expert for this chunk
   const int lane = threadIdx.x;      // one warp per block
   const int64_t c = blockIdx.x;
-  for (int e = lane; e < local; e += 32) base[e] = scratch[c * local + e];
-  __syncwarp();
   const int64_t begin = c * kIndexChunk;
   const int64_t end = min(begin + kIndexChunk, n);
-  PlaceChunk(ids, begin, end, start, local, base, src_to_dst, dst_to_src);
-  const int32_t total = scratch[chunks * local];
+  int ex[kIdsPerLane];
+  LoadChunkIds(ids, begin, end, start, local, ex);
+  const int32_t total = WarpExpertOffsets(sizes, local, base, nullptr);
+  for (int e = lane; e < local; e += 32) base[e] += scratch[c * local + e];
+  __syncwarp();
+  PlaceChunk(ex, begin, end, base, src_to_dst, dst_to_src);
   for (int64_t p = begin + lane; p < end; p += 32)
     if (p >= total) dst_to_src[p] = -1;
 }
@@ -192,12 +227,13 @@ ffi::Error TokenIndexSteps(cudaStream_t stream, S32In topk_ids, int64_t num_expe
   cudaError_t err = LaunchKernel(CountKernel, grid, 256, smem, stream, pdl, ids, n, start_expert,
                                  lc, s);
   if (err == cudaSuccess)
-    err = LaunchKernel(ScanKernel, 1, 256, smem, stream, sm90, chunks, lc, s,
+    err = LaunchKernel(ScanKernel, static_cast<unsigned>(CeilDiv(local, kScanWarps)),
+                       kScanWarps * 32, 0, stream, sm90, chunks, lc, s,
                        expert_sizes->typed_data());
   if (err == cudaSuccess)
     err = LaunchKernel(PlaceKernel, grid, 32, smem, stream, sm90, ids, n, start_expert, lc,
-                       static_cast<const int32_t*>(s), chunks, src_to_dst->typed_data(),
-                       dst_to_src->typed_data());
+                       static_cast<const int32_t*>(s), expert_sizes->typed_data(),
+                       src_to_dst->typed_data(), dst_to_src->typed_data());
   return CudaError(err, "moe_compute_token_index launch");
 }
 
