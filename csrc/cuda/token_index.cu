@@ -110,10 +110,43 @@ __device__ __forceinline__ int32_t WarpExpertOffsets(const int32_t* counts, int 
   return total;
 }
 
-// Stable placement of entries [begin, end), end - begin <= kIndexChunk, by one
-// warp, `base` holding each expert's next free slot: lanes with the same
-// expert get consecutive slots via __match_any_sync, in flat order. The
-// expert ids come in registers (LoadChunkIds). The whole warp must call it.
+// One step of a warp's stable placement: entry i (< end, else unused) of
+// local expert e (-1: not placed); `base` holds each expert's next free slot.
+// Lanes with the same expert get consecutive slots via __match_any_sync, in
+// lane order. The whole warp must call it.
+__device__ __forceinline__ void PlaceStep(int e, int64_t i, int64_t end, int32_t* base,
+                                          int32_t* __restrict__ src_to_dst,
+                                          int32_t* __restrict__ dst_to_src) {
+  const int lane = threadIdx.x % 32;
+  const unsigned same = __match_any_sync(0xffffffffu, e);
+  const int rank = __popc(same & ((1u << lane) - 1u));
+  if (e >= 0) {
+    const int32_t pos = base[e] + rank;
+    src_to_dst[i] = pos;
+    dst_to_src[pos] = static_cast<int32_t>(i);
+  } else if (i < end) {
+    src_to_dst[i] = -1;
+  }
+  __syncwarp();
+  if (e >= 0 && rank == 0) base[e] += __popc(same);
+  __syncwarp();
+}
+
+// Stable placement of entries [begin, end) by one warp, 32 at a time in flat
+// order, each 32 loaded as they are placed: the decode-sized form (T = 1:
+// one step).
+__device__ __forceinline__ void PlaceChunk(const int32_t* __restrict__ ids, int64_t begin,
+                                           int64_t end, int64_t start, int local, int32_t* base,
+                                           int32_t* __restrict__ src_to_dst,
+                                           int32_t* __restrict__ dst_to_src) {
+  for (int64_t i0 = begin; i0 < end; i0 += 32) {
+    const int64_t i = i0 + (threadIdx.x % 32);
+    PlaceStep(i < end ? LocalId(ids[i], start, local) : -1, i, end, base, src_to_dst, dst_to_src);
+  }
+}
+
+// The same for a whole chunk (end - begin <= kIndexChunk) whose expert ids
+// were loaded up front (LoadChunkIds), so that no step waits on a load.
 constexpr int kIdsPerLane = static_cast<int>(kIndexChunk / 32);
 
 __device__ __forceinline__ void LoadChunkIds(const int32_t* __restrict__ ids, int64_t begin,
@@ -127,28 +160,13 @@ __device__ __forceinline__ void LoadChunkIds(const int32_t* __restrict__ ids, in
   }
 }
 
-__device__ __forceinline__ void PlaceChunk(const int (&ex)[kIdsPerLane], int64_t begin,
-                                           int64_t end, int32_t* base,
-                                           int32_t* __restrict__ src_to_dst,
-                                           int32_t* __restrict__ dst_to_src) {
-  const int lane = threadIdx.x % 32;
+__device__ __forceinline__ void PlaceLoadedChunk(const int (&ex)[kIdsPerLane], int64_t begin,
+                                                 int64_t end, int32_t* base,
+                                                 int32_t* __restrict__ src_to_dst,
+                                                 int32_t* __restrict__ dst_to_src) {
 #pragma unroll
-  for (int j = 0; j < kIdsPerLane; ++j) {
-    const int64_t i = begin + 32 * j + lane;
-    const int e = ex[j];
-    const unsigned same = __match_any_sync(0xffffffffu, e);
-    const int rank = __popc(same & ((1u << lane) - 1u));
-    if (e >= 0) {
-      const int32_t pos = base[e] + rank;
-      src_to_dst[i] = pos;
-      dst_to_src[pos] = static_cast<int32_t>(i);
-    } else if (i < end) {
-      src_to_dst[i] = -1;
-    }
-    __syncwarp();
-    if (e >= 0 && rank == 0) base[e] += __popc(same);
-    __syncwarp();
-  }
+  for (int j = 0; j < kIdsPerLane; ++j)
+    PlaceStep(ex[j], begin + 32 * j + threadIdx.x % 32, end, base, src_to_dst, dst_to_src);
 }
 
 // n <= kIndexChunk: histogram, scan and placement by one warp, one launch.
@@ -160,16 +178,15 @@ __global__ void SmallIndexKernel(const int32_t* __restrict__ ids, int64_t n, int
   PdlTrigger();
   extern __shared__ int32_t base[];
   const int lane = threadIdx.x;
-  int ex[kIdsPerLane];
-  LoadChunkIds(ids, 0, n, start, local, ex);
   for (int e = lane; e < local; e += 32) base[e] = 0;
   __syncwarp();
-#pragma unroll
-  for (int j = 0; j < kIdsPerLane; ++j)
-    if (ex[j] >= 0) atomicAdd(&base[ex[j]], 1);
+  for (int64_t i = lane; i < n; i += 32) {
+    const int e = LocalId(ids[i], start, local);
+    if (e >= 0) atomicAdd(&base[e], 1);
+  }
   __syncwarp();
   const int32_t total = WarpExpertOffsets(base, local, base, sizes);
-  PlaceChunk(ex, 0, n, base, src_to_dst, dst_to_src);
+  PlaceChunk(ids, 0, n, start, local, base, src_to_dst, dst_to_src);
   for (int64_t p = lane; p < n; p += 32)
     if (p >= total) dst_to_src[p] = -1;
 }
@@ -190,7 +207,7 @@ __global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
   const int32_t total = WarpExpertOffsets(sizes, local, base, nullptr);
   for (int e = lane; e < local; e += 32) base[e] += scratch[c * local + e];
   __syncwarp();
-  PlaceChunk(ex, begin, end, base, src_to_dst, dst_to_src);
+  PlaceLoadedChunk(ex, begin, end, base, src_to_dst, dst_to_src);
   for (int64_t p = begin + lane; p < end; p += 32)
     if (p >= total) dst_to_src[p] = -1;
 }
