@@ -198,6 +198,15 @@ def main() -> None:
     p.add_argument("--json", default="bench_moe.json")
     p.add_argument("--plot", default="bench_moe.png")
     args = p.parse_args()
+    for flag, value, least in (("--calls", args.calls, 1), ("--ref-calls", args.ref_calls, 0),
+                               ("--ref-chunks", args.ref_chunks, 1), ("--repeats", args.repeats, 1)):
+        if value is not None and value < least:
+            p.error(f"{flag} must be at least {least}, got {value}")
+    if args.tokens is not None and any(t < 1 for t in args.tokens):
+        p.error(f"--tokens must be positive, got {args.tokens}")
+    unknown = sorted(set(args.shapes or ()) - set(QUICK_SHAPES if args.quick else SHAPES))
+    if unknown:
+        p.error(f"unknown --shapes {unknown}; known: {sorted(QUICK_SHAPES if args.quick else SHAPES)}")
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:

@@ -6,6 +6,8 @@ cost on every run) so that the test checks the arithmetic, not the clock."""
 import importlib
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -107,3 +109,15 @@ def test_bench_moe_token_slices_give_the_same_layer(monkeypatch, backend):
     assert np.abs(outs[0]).max() > 0
     for got in outs[1:]:
         np.testing.assert_allclose(got, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("argv", [["--ref-chunks", "0"], ["--calls", "0"], ["--ref-calls", "-1"],
+                                  ["--repeats", "0"], ["--tokens", "16", "0"],
+                                  ["--shapes", "qwen3_30b"]])
+def test_bench_moe_rejects_bad_arguments(argv):
+    # Refused by argparse (exit 2, the flag named) before any device work.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_moe.py"), *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert argv[0] in proc.stderr.splitlines()[-1]
+    assert "measured in this run" not in proc.stdout
