@@ -15,6 +15,16 @@ def wall_time(fn) -> float:
     return time.perf_counter() - start
 
 
+def check_least(parser, args, **least) -> None:
+    """parser.error (exit 2, naming the flag) for an integer option, or any
+    element of a list option, below its least value; None (not given) passes."""
+    for dest, lo in least.items():
+        value = getattr(args, dest)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v < lo:
+                parser.error(f"--{dest.replace('_', '-')} must be at least {lo}, got {v}")
+
+
 def per_call_seconds(program, calls: int, repeats: int) -> float:
     """Device seconds per call of a chained loop: program(n) compiles and warms
     up a jitted program of n chained calls and returns a callable that runs

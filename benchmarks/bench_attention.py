@@ -34,7 +34,7 @@ from datetime import date
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import chain, per_call_seconds, pyplot, write_json
+from _bench_common import chain, check_least, per_call_seconds, pyplot, write_json
 
 from jax_moe import attention
 
@@ -277,6 +277,13 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here (JSON)")
     p.add_argument("--plot", default=None, help="draw a PNG here (needs matplotlib)")
     args = p.parse_args()
+    check_least(p, args, calls=1, repeats=1)
+    try:
+        splits = tuple(int(x) for x in args.decode_splits.split(",") if x)
+    except ValueError:
+        p.error(f"--decode-splits takes comma-separated integers, got {args.decode_splits!r}")
+    if any(x < 1 for x in splits):
+        p.error(f"--decode-splits must be positive, got {args.decode_splits!r}")
 
     backend = jax.default_backend()
     on_gpu = backend in ("gpu", "cuda")
@@ -306,7 +313,6 @@ def main() -> None:
         jobs += [(bench_decode, c) for c in decode_cases]
     if args.only in (None, "prefill"):
         jobs += [(bench_prefill, c) for c in prefill_cases]
-    splits = tuple(int(x) for x in args.decode_splits.split(",") if x)
     for fn, (b, n) in jobs:
         extra = {"decode_splits": splits} if fn is bench_decode else {}
         for r in fn(b, n, heads, dtype, calls, repeats, on_gpu, rng, **extra):

@@ -23,7 +23,7 @@ from datetime import date
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import after, chain, per_call_seconds, pyplot, wall_time, write_json
+from _bench_common import after, chain, check_least, per_call_seconds, pyplot, wall_time, write_json
 
 import jax_moe
 
@@ -198,12 +198,7 @@ def main() -> None:
     p.add_argument("--json", default="bench_moe.json")
     p.add_argument("--plot", default="bench_moe.png")
     args = p.parse_args()
-    for flag, value, least in (("--calls", args.calls, 1), ("--ref-calls", args.ref_calls, 0),
-                               ("--ref-chunks", args.ref_chunks, 1), ("--repeats", args.repeats, 1)):
-        if value is not None and value < least:
-            p.error(f"{flag} must be at least {least}, got {value}")
-    if args.tokens is not None and any(t < 1 for t in args.tokens):
-        p.error(f"--tokens must be positive, got {args.tokens}")
+    check_least(p, args, calls=1, ref_calls=0, ref_chunks=1, repeats=1, tokens=1)
     unknown = sorted(set(args.shapes or ()) - set(QUICK_SHAPES if args.quick else SHAPES))
     if unknown:
         p.error(f"unknown --shapes {unknown}; known: {sorted(QUICK_SHAPES if args.quick else SHAPES)}")

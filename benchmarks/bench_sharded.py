@@ -80,7 +80,7 @@ from datetime import date  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _bench_common import after, chain, wall_time, write_json  # noqa: E402
+from _bench_common import after, chain, check_least, wall_time, write_json  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -282,6 +282,7 @@ def main() -> None:
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--json", default="bench_sharded.json")
     args = p.parse_args()
+    check_least(p, args, calls=1, repeats=1, tokens=1, device_counts=1)
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:

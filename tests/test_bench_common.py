@@ -111,13 +111,17 @@ def test_bench_moe_token_slices_give_the_same_layer(monkeypatch, backend):
         np.testing.assert_allclose(got, outs[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("argv", [["--ref-chunks", "0"], ["--calls", "0"], ["--ref-calls", "-1"],
-                                  ["--repeats", "0"], ["--tokens", "16", "0"],
-                                  ["--shapes", "qwen3_30b"]])
-def test_bench_moe_rejects_bad_arguments(argv):
+@pytest.mark.parametrize("script, argv", [
+    ("bench_moe", ["--ref-chunks", "0"]), ("bench_moe", ["--calls", "0"]),
+    ("bench_moe", ["--ref-calls", "-1"]), ("bench_moe", ["--repeats", "0"]),
+    ("bench_moe", ["--tokens", "16", "0"]), ("bench_moe", ["--shapes", "qwen3_30b"]),
+    ("bench_attention", ["--calls", "0"]), ("bench_attention", ["--decode-splits", "512,x"]),
+    ("bench_attention", ["--decode-splits", "0"]), ("bench_sharded", ["--device-counts", "0"]),
+    ("bench_sharded", ["--tokens", "-4"])])
+def test_benches_reject_bad_arguments(script, argv):
     # Refused by argparse (exit 2, the flag named) before any device work.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_moe.py"), *argv],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), *argv],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert argv[0] in proc.stderr.splitlines()[-1]
-    assert "measured in this run" not in proc.stdout
+    assert proc.stdout == ""
