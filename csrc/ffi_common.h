@@ -56,9 +56,8 @@ enum Activation : int64_t { kSilu = 0, kGeluExact = 1, kGeluTanh = 2 };
 // the module as INDEX_CHUNK).
 constexpr int64_t kIndexChunk = 256;
 
-// The CUDA kernels' per-chunk counts; the last element is unused (it held
-// the placed-row count before the sixteenth session) and keeps the buffer
-// non-empty when there are no entries.
+// The CUDA kernels' per-chunk counts, plus one unused element that keeps the
+// buffer non-empty when there are no entries.
 inline int64_t IndexScratchSize(int64_t num_entries, int64_t num_local) {
   int64_t chunks = (num_entries + kIndexChunk - 1) / kIndexChunk;
   return chunks * num_local + 1;
