@@ -9,9 +9,10 @@
 //           slots via __match_any_sync, so the order inside an expert is the
 //           flat order (stable), as on the CPU. Past the placed rows,
 //           dst_to_src gets -1.
-// Each kernel issues its global loads together before it uses them: these
-// kernels are a few dependent loads each, so latency is their whole cost
-// (a serial scan over the chunks took 14 us at 65536 entries, H200).
+// The scan and place kernels issue their global loads together before they
+// use them: these kernels are a few dependent loads each, so latency is
+// their whole cost (a serial scan over the chunks took 14 us at 65536
+// entries on an H200).
 // Up to one chunk of entries (decode batches) one warp does all three steps in
 // a single launch, with the expert offsets in shared memory.
 #include "cuda/cuda_common.cuh"
