@@ -207,8 +207,8 @@ def test_token_index(rng, shape, pattern):
 def test_token_index_small_sanitize(rng):
     # Small cases for compute-sanitizer: the one-launch kernel (one entry;
     # 94 experts per lane), the three kernels over several chunks with a
-    # partial last chunk and scan blocks of 2 and 13 experts, and more chunks
-    # (266) than one round of the scan's loads (256).
+    # partial last chunk and 2 or 13 local experts (scan blocks take 8), and
+    # more chunks (266) than one round of the scan's loads (256).
     for (tokens, k, experts), start, local in [((1, 1, 1), 0, None), ((30, 8, 3000), 0, None),
                                                ((129, 2, 8), 3, 2), ((300, 8, 64), 5, 13),
                                                ((17_000, 4, 8), 0, None)]:
