@@ -56,6 +56,18 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Inclusive prefix sum over the 32 lanes of a warp (all lanes must call it).
+template <typename T>
+__device__ __forceinline__ T WarpInclusiveSum(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const T u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 // ---- tensor-core building blocks (sm_80+): mma.sync m16n8k16 fed by ldmatrix
 
 template <typename T>

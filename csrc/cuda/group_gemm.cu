@@ -103,11 +103,7 @@ template <int Warps = kWarps>
 __device__ __forceinline__ int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums,
                                                       int64_t* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int64_t u = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += u;
-  }
+  v = WarpInclusiveSum(v);
   if (lane == 31) warp_sums[warp] = v;
   __syncthreads();
   int64_t before = 0, all = 0;

@@ -68,12 +68,7 @@ __global__ void __launch_bounds__(kScanWarps * 32)
     }
 #pragma unroll
     for (int j = 0; j < kScanLoads; ++j) {
-      int32_t incl = v[j];
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += u;
-      }
+      const int32_t incl = WarpInclusiveSum(v[j]);
       const int64_t c = c0 + 32 * j + lane;
       if (c < chunks) scratch[c * local + e] = run + incl - v[j];
       run += __shfl_sync(0xffffffffu, incl, 31);
@@ -93,12 +88,7 @@ __device__ __forceinline__ int32_t WarpExpertOffsets(const int32_t* counts, int 
   const int b0 = min(lane * per, local), b1 = min(b0 + per, local);
   int32_t seg = 0;
   for (int e = b0; e < b1; ++e) seg += counts[e];
-  int32_t incl = seg;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += u;
-  }
+  const int32_t incl = WarpInclusiveSum(seg);
   const int32_t total = __shfl_sync(0xffffffffu, incl, 31);
   int32_t run = incl - seg;
   for (int e = b0; e < b1; ++e) {  // only this lane's segment: no hazard
