@@ -199,12 +199,12 @@ def main() -> None:
     p.add_argument("--plot", default="bench_moe.png")
     args = p.parse_args()
     check_least(p, args, calls=1, ref_calls=0, ref_chunks=1, repeats=1, tokens=1)
-    unknown = sorted(set(args.shapes or ()) - set(QUICK_SHAPES if args.quick else SHAPES))
-    if unknown:
-        p.error(f"unknown --shapes {unknown}; known: {sorted(QUICK_SHAPES if args.quick else SHAPES)}")
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
+        unknown = sorted(set(args.shapes) - set(shapes))
+        if unknown:
+            p.error(f"unknown --shapes {unknown}; known: {sorted(shapes)}")
         shapes = {n: shapes[n] for n in args.shapes}
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     def calls_for(t):  # see --calls
