@@ -1,13 +1,14 @@
 // The paged decode split kernel alone on issue 7's decode shapes (bf16, Hq 32,
-// Hkv 8, D 128, pages of 16 tokens in random order), against copy-only
+// Hkv 8, D 128, pages in random order), against copy-only
 // kernels that move the same K/V bytes through the same per-warp cp.async
 // ring with no attention math: what the ring structure itself can reach.
 // Not part of the build; needs a GPU. From the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -I csrc \
 //     -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
-//     scripts/decode_attn_bench.cu -o /tmp/decode_attn_bench && /tmp/decode_attn_bench [V] [S]
+//     scripts/decode_attn_bench.cu -o /tmp/decode_attn_bench && /tmp/decode_attn_bench [V] [S] [P]
 // V: comma-separated variant indices (main's list), S: comma-separated splits
-// (each of its cases with that split); default: all of both.
+// (each of its cases with that split); default: all of both. P: the page
+// size (default 16).
 // TB/s counts the K and V bytes the lengths cover, once; times are the median
 // of 7 repeats of 20 launches (split kernel and combine for the shipped one).
 #ifndef ATTN_CU  // -DATTN_CU='"path"': another version of the kernels (same launch signatures)
@@ -211,6 +212,11 @@ bool Listed(const char* list, long x) {
 int main(int argc, char** argv) {
   const char* only_variants = argc > 1 ? argv[1] : nullptr;
   const char* only_splits = argc > 2 ? argv[2] : nullptr;
+  const int page = argc > 3 ? std::atoi(argv[3]) : 16;
+  if (page <= 0 || page > 4096 || 4096 % page != 0) {
+    fprintf(stderr, "page size %d: want a divisor of 4096\n", page);
+    return 2;
+  }
   const Variant variants[] = {
       {"stream (contiguous)", RunStream},
       {"shipped: combine with PDL", RunShipped<true>},
@@ -233,7 +239,7 @@ int main(int argc, char** argv) {
     Problem p{};
     p.batch = cs.batch;
     p.len = cs.len;
-    p.page = 16;
+    p.page = page;
     p.max_pages = cs.len / p.page;
     p.num_pages = cs.batch * p.max_pages;
     p.split = cs.split;
@@ -264,8 +270,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&g_ship.ps, p.batch * kHq * splits * 2 * 4));
     CK(cudaMalloc(&g_ship.out, p.batch * kHq * kD * 2));
     const double bytes = 2.0 * p.batch * p.len * kHkv * kD * 2;
-    printf("B=%lld L=%lld split=%d page 16: %.1f MB of K+V\n", (long long)p.batch,
-           (long long)p.len, p.split, bytes / 1e6);
+    printf("B=%lld L=%lld split=%d page %d: %.1f MB of K+V\n", (long long)p.batch,
+           (long long)p.len, p.split, page, bytes / 1e6);
     for (const Variant& var : variants) {
       if (!Listed(only_variants, &var - variants)) continue;
       for (int i = 0; i < 3; ++i) var.fn(p);  // warm-up

@@ -180,6 +180,21 @@ def test_decode_long_sequences_many_splits(rng, dtype, st):
     assert_close(out, check_decode(q, kp, vp, table, ln, dtype), dtype, "vs automatic split")
 
 
+@pytest.mark.parametrize("page_size,st", [(1, 2048), (3, 64), (48, 128), (100, 64)])
+def test_decode_splits_starting_mid_page(rng, page_size, st):
+    """Page sizes that do not divide split_tokens: splits begin inside a page
+    (the CUDA kernel's page lookups start at an offset), and page 1 with a
+    whole 2048-token split (2048 page ids for one block)."""
+    dtype = jnp.bfloat16
+    lengths = [3 * st + 17, st + page_size, 2 * st, 1]
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, 2, 64, dtype)
+    q = normal(rng, (len(lengths), 8, 64), dtype)
+    out = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=st))(
+        q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, "decode vs reference")
+    assert_close(out, decode_np(q, kp, vp, table, ln, 1 / np.sqrt(64)), dtype, "vs numpy")
+
+
 def test_decode_split_constants_match_the_extension():
     assert attention.DECODE_SPLIT_UNIT == _ac.DECODE_SPLIT_UNIT
     assert attention.DECODE_MAX_SPLIT_TOKENS == _ac.DECODE_MAX_SPLIT_TOKENS

@@ -122,6 +122,7 @@ constexpr int kRingBytes = kDecodeWarps * kStages * 2 * kStageBytes;
 // __shared__ variables beside it made the bf16 kernel 12-25% slower on the
 // H200 with the same registers (run 15.3, benchmarks/RESULTS.md).
 constexpr int kDecodeSmem = kRingBytes + kDecodeMaxSplitTokens * static_cast<int>(sizeof(int32_t));
+static_assert((kDecodeMaxSplitTokens + 1) * 4 <= kRingBytes, "a split's page ids fit the ring");
 
 // Lane layout of a warp over K/V rows of D elements of type T: kVec elements
 // per 16-byte chunk, kTpt lanes per token (a power of two <= 32), kCpl chunks
@@ -165,12 +166,18 @@ struct SplitBlock {
 // holds no token (the combine kernel never reads such a split). Otherwise
 // also stores the cache slot of each of the split's tokens in slot_of (-1: a
 // page id outside [0, num_pages), skipped); the caller syncs before reading.
+// The split's page ids are loaded once per page, kPageLoads per thread issued
+// before any is used, into `pages` (the not yet used ring; room for
+// kDecodeMaxSplitTokens + 1 ids): a load per token, each behind a 64-bit
+// division, kept the block's first K/V copies waiting on a chain of
+// dependent table loads.
+constexpr int kPageLoads = 4;
 __device__ __forceinline__ bool SetupSplit(SplitBlock& blk, int rows,
                                            const int32_t* __restrict__ table,
                                            const int32_t* __restrict__ lengths, int64_t hkv,
                                            int64_t group, int64_t head_chunks, int64_t num_pages,
                                            int64_t page_size, int64_t max_pages, int split,
-                                           int32_t* slot_of) {
+                                           int32_t* pages, int32_t* slot_of) {
   const int64_t chunk = blockIdx.x % head_chunks;
   const int64_t bk = blockIdx.x / head_chunks;
   blk.b = bk / hkv;
@@ -182,11 +189,34 @@ __device__ __forceinline__ bool SetupSplit(SplitBlock& blk, int rows,
   blk.ntok = static_cast<int>(len - blk.t0 < split ? len - blk.t0 : split);
   blk.ng = static_cast<int>(group - chunk * rows < rows ? group - chunk * rows : rows);
   blk.h0 = blk.kvh * group + chunk * rows;
+  // Tokens t0 .. t0 + ntok - 1 lie on pages p0 .. p0 + npages - 1 of the
+  // sequence, the first from offset `off`. page_size < 2^31 (the handler
+  // rejects caches of 2^31 slots), so off + i fits 32 bits.
+  const int64_t p0 = blk.t0 / page_size;
+  const uint32_t ps = static_cast<uint32_t>(page_size);
+  const uint32_t off = static_cast<uint32_t>(blk.t0 - p0 * page_size);
+  const int npages = static_cast<int>((off + blk.ntok - 1) / ps) + 1;
+  const int32_t* row_pages = table + blk.b * max_pages + p0;
+  for (int i0 = threadIdx.x; i0 < npages; i0 += kPageLoads * kDecodeThreads) {
+    int32_t pg[kPageLoads];
+#pragma unroll
+    for (int j = 0; j < kPageLoads; ++j) {
+      const int i = i0 + j * kDecodeThreads;
+      pg[j] = i < npages ? __ldg(row_pages + i) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kPageLoads; ++j) {
+      const int i = i0 + j * kDecodeThreads;
+      if (i < npages) pages[i] = pg[j];
+    }
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < blk.ntok; i += kDecodeThreads) {
-    const int64_t t = blk.t0 + i;
-    const int64_t page = table[blk.b * max_pages + t / page_size];
+    const uint32_t u = off + static_cast<uint32_t>(i);
+    const uint32_t pi = u / ps;
+    const int64_t page = pages[pi];
     slot_of[i] = (page >= 0 && page < num_pages)
-                     ? static_cast<int32_t>(page * page_size + t % page_size) : -1;
+                     ? static_cast<int32_t>(page * page_size + (u - pi * ps)) : -1;
   }
   return true;
 }
@@ -307,7 +337,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int tg = wl / kTpt;    // token of the pass
   SplitBlock blk;
   if (!SetupSplit(blk, GC, table, lengths, hkv, group, head_chunks, num_pages, page_size,
-                  max_pages, split, slot_of))
+                  max_pages, split, reinterpret_cast<int32_t*>(smem), slot_of))
     return;
   const int64_t b = blk.b, h0 = blk.h0;
   const int ntok = blk.ntok, ng = blk.ng;
@@ -501,6 +531,7 @@ struct MmaDecode {
   static_assert(kChunks >= 8 && kTileVecs % 32 == 0 &&
                     kDecodeSplitUnit % (kDecodeWarps * kMmaTokens) == 0, "layout");
   static_assert(kDecodeWarps * kMmaRows * (D + 2) * 4 <= kRingBytes, "merge fits the ring");
+  static_assert((kDecodeMaxSplitTokens + 1) * 4 <= kRingBytes, "page ids fit the ring");
 };
 
 // Position of chunk c of row r in a tile: XOR-swizzled over 8 rows.
@@ -531,7 +562,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int g = wl / 4, t = wl % 4;  // mma fragment coordinates
   SplitBlock blk;
   if (!SetupSplit(blk, kMmaRows, table, lengths, hkv, group, head_chunks, num_pages, page_size,
-                  max_pages, split, slot_of))
+                  max_pages, split, reinterpret_cast<int32_t*>(smem), slot_of))
     return;
   const int64_t b = blk.b, h0 = blk.h0;
   const int ntok = blk.ntok, ng = blk.ng;
