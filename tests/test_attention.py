@@ -180,6 +180,7 @@ def test_decode_long_sequences_many_splits(rng, dtype, st):
     assert_close(out, check_decode(q, kp, vp, table, ln, dtype), dtype, "vs automatic split")
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("page_size,st", [(1, 2048), (3, 64), (48, 128), (100, 64)])
 def test_decode_splits_starting_mid_page(rng, page_size, st):
     """Page sizes that do not divide split_tokens: splits begin inside a page
