@@ -181,12 +181,12 @@ def test_decode_long_sequences_many_splits(rng, dtype, st):
 
 
 @pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("page_size,st", [(1, 2048), (3, 64), (48, 128), (100, 64)])
-def test_decode_splits_starting_mid_page(rng, page_size, st):
+def test_decode_splits_starting_mid_page(rng, dtype, page_size, st):
     """Page sizes that do not divide split_tokens: splits begin inside a page
-    (the CUDA kernel's page lookups start at an offset), and page 1 with a
+    (the CUDA kernels' page lookups start at an offset), and page 1 with a
     whole 2048-token split (2048 page ids for one block)."""
-    dtype = jnp.bfloat16
     lengths = [3 * st + 17, st + page_size, 2 * st, 1]
     kp, vp, table, ln = make_cache(rng, lengths, page_size, 2, 64, dtype)
     q = normal(rng, (len(lengths), 8, 64), dtype)

@@ -168,9 +168,10 @@ struct SplitBlock {
 // page id outside [0, num_pages), skipped); the caller syncs before reading.
 // The split's page ids are loaded once per page, kPageLoads per thread issued
 // before any is used, into `pages` (the not yet used ring; room for
-// kDecodeMaxSplitTokens + 1 ids): a load per token, each behind a 64-bit
-// division, kept the block's first K/V copies waiting on a chain of
-// dependent table loads.
+// kDecodeMaxSplitTokens + 1 ids). A load per token, each behind a 64-bit
+// division, had kept the block's first K/V copies waiting on a chain of
+// dependent table loads: 4.01 against 4.12-4.13 TB/s at pages of 16 (run
+// 17.1, benchmarks/RESULTS.md).
 constexpr int kPageLoads = 4;
 __device__ __forceinline__ bool SetupSplit(SplitBlock& blk, int rows,
                                            const int32_t* __restrict__ table,
