@@ -1,7 +1,9 @@
 """A small decoder layer served from a paged KV cache: one packed prefill of B
-prompts of different lengths, then N greedy decode steps, every step jitted with
-the caches donated (updated in place), and checked against a dense reference
-that never sees a page.
+prompts of different lengths, then N greedy decode steps, then one mixed step
+in which a new prompt joins the batch while the B sequences decode
+(continuous batching, attention_dispatch); every step jitted with the caches
+donated (updated in place), and checked against a dense reference that never
+sees a page.
 
 Layer (no positional encoding, parameter-free RMS pre-norms):
     h   = x + o_proj(attention(q_proj(n(x)), k_proj(n(x)), v_proj(n(x))))   GQA
@@ -10,12 +12,15 @@ The "token" fed back at each step is the layer's output hidden state for the
 last position of each sequence (no vocabulary).
 
 Paged path:  prefill_attention over the packed prompts + write_kv of their K/V,
-             then per step write_kv of the new token + paged_decode_attention.
+             then per step write_kv of the new token + paged_decode_attention;
+             the mixed step is one attention_dispatch over the B decode
+             tokens and the new prompt's tokens.
 Reference:   for every sequence, the layer recomputed from scratch over its
              whole history of inputs (prompt + tokens fed back so far) with
              plain causal jnp attention and moe_forward(backend="reference").
 
-    python examples/decode_loop.py [--steps 8] [--prompt-lens 37 16 50] [--page-size 16]
+    python examples/decode_loop.py [--steps 8] [--prompt-lens 37 16 50] [--join-len 11]
+                                   [--page-size 16]
 """
 
 from __future__ import annotations
@@ -100,6 +105,21 @@ def make_decode(hq, hkv, d, topk, page_size):
     return jax.jit(decode, donate_argnums=(1, 2))
 
 
+def make_mixed(hq, hkv, d, topk):
+    """One continuous-batching step: x (N, H) packs each decode sequence's
+    next token and each joining prompt's tokens (cu_seqlens, is_decode,
+    slots describe them, as attention_dispatch takes them)."""
+
+    def mixed(p, k_pages, v_pages, page_table, lengths, x, cu_seqlens, is_decode, slots):
+        q, k, v = qkv(p, x, hq, hkv, d)
+        a, k_pages, v_pages = attention.attention_dispatch(
+            q, k, v, k_pages, v_pages, page_table, lengths, cu_seqlens, is_decode, slots)
+        h = x + a.reshape(x.shape[0], hq * d) @ p["wo"]
+        return k_pages, v_pages, ffn(p, h, topk, "ffi")
+
+    return jax.jit(mixed, donate_argnums=(1, 2))
+
+
 def make_reference(hq, hkv, d, topk):
     """The layer over one sequence's whole history x_hist (L, H), dense causal
     attention in plain jnp (f32 softmax), reference MoE -> (L, H)."""
@@ -141,6 +161,9 @@ def main() -> int:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[37, 16, 50],
                     help="prompt length of each sequence (B = how many)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps")
+    ap.add_argument("--join-len", type=int, default=11,
+                    help="prompt length of the sequence that joins in the last, mixed step "
+                         "(0: no mixed step)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--q-heads", type=int, default=8)
@@ -158,19 +181,25 @@ def main() -> int:
     lens = [int(n) for n in args.prompt_lens]
     if min(lens) < 1:
         ap.error("prompt lengths must be >= 1")
+    if args.steps < 0 or args.join_len < 0:
+        ap.error("--steps and --join-len must be >= 0")
+    join = args.join_len
     b, ps, hq, hkv, d = len(lens), args.page_size, args.q_heads, args.kv_heads, args.head_dim
     hidden, steps = args.hidden, args.steps
     rng = np.random.default_rng(args.seed)
     key_p, key_x = jax.random.split(jax.random.PRNGKey(args.seed))
     params = init_params(key_p, hidden, hq, hkv, d, args.experts, args.intermediate, dtype)
 
-    # Page pool: each sequence gets enough pages for prompt + all decode steps,
-    # drawn in a random order from a pool with spare pages (nothing contiguous).
-    need = [-(-(n + steps) // ps) for n in lens]
+    # Page pool: each sequence gets enough pages for prompt + all decode steps
+    # (+ the mixed step), the joining prompt for its tokens (the table's last
+    # row), drawn in a random order from a pool with spare pages (nothing
+    # contiguous).
+    mixed_steps = 1 if join else 0
+    need = [-(-(n + steps + mixed_steps) // ps) for n in lens] + ([-(-join // ps)] if join else [])
     num_pages = sum(need) + args.spare_pages
     perm = rng.permutation(num_pages)
     max_pages = max(need)
-    table = np.full((b, max_pages), -1, np.int32)
+    table = np.full((len(need), max_pages), -1, np.int32)
     start = 0
     for i, n in enumerate(need):
         table[i, :n] = perm[start:start + n]
@@ -196,9 +225,9 @@ def main() -> int:
     prefill = make_prefill(hq, hkv, d, args.topk)
     decode = make_decode(hq, hkv, d, args.topk, ps)
     reference = make_reference(hq, hkv, d, args.topk)
-    page_table = jnp.asarray(table)
+    page_table = jnp.asarray(table[:b])
 
-    max_len = -(-(max(lens) + steps) // 16) * 16
+    max_len = -(-(max(lens + [join]) + steps + mixed_steps) // 16) * 16
     history = [np.asarray(x_packed[cu[i]:cu[i + 1]]) for i in range(b)]  # inputs seen so far
     worst = 0.0
     t0 = time.perf_counter()
@@ -225,6 +254,33 @@ def main() -> int:
         worst = max(worst, err)
         print(f"decode step {step}: lengths {np.asarray(lengths).tolist()}, max rel err {err:.2e} "
               f"({1e3 * dt:.1f} ms{' incl. compile' if step == 0 else ''})")
+
+    if join:
+        # The B sequences' next tokens (rows 0..B-1) and the joining prompt
+        # (rows B..B+join-1), padded to a multiple of 16 rows (slot -1).
+        x_new = jax.random.normal(jax.random.PRNGKey(args.seed + 1), (join, hidden), dtype)
+        n_rows = -(-(b + join) // 16) * 16
+        rows = jnp.zeros((n_rows, hidden), dtype).at[:b].set(x).at[b:b + join].set(x_new)
+        ln = np.asarray(lengths)
+        t = np.arange(join)
+        slots = np.full((n_rows,), -1, np.int32)
+        slots[:b] = table[np.arange(b), ln // ps] * ps + ln % ps
+        slots[b:b + join] = table[b, t // ps] * ps + t % ps
+        cu = np.concatenate([np.arange(b + 1), [b + join]]).astype(np.int32)
+        is_decode = np.arange(b + 1) < b
+        for i in range(b):
+            history[i] = np.concatenate([history[i], np.asarray(x[i:i + 1])])
+        t0 = time.perf_counter()
+        k_pages, v_pages, out = make_mixed(hq, hkv, d, args.topk)(
+            params, k_pages, v_pages, jnp.asarray(table), jnp.asarray(np.append(ln + 1, join)),
+            rows, jnp.asarray(cu), jnp.asarray(is_decode), jnp.asarray(slots))
+        out = np.asarray(out)
+        dt = time.perf_counter() - t0
+        err = max([rel_err(out[i], reference(params, history[i], max_len)[-1]) for i in range(b)]
+                  + [rel_err(out[b:b + join], reference(params, np.asarray(x_new), max_len))])
+        worst = max(worst, err)
+        print(f"mixed step: {b} decode tokens + a {join}-token prompt, attention_dispatch, "
+              f"max rel err {err:.2e} ({1e3 * dt:.1f} ms incl. compile)")
 
     print(f"worst max relative error: {worst:.2e} (tolerance {args.tol:g})")
     if not worst <= args.tol:  # NaN fails too

@@ -195,3 +195,26 @@ def prefill_max_seqlen(q, cu_seqlens, max_seqlen) -> int | None:
                 f"but the last exactly max_seqlen long), got cu_seqlens {c.tolist()}; pass a "
                 f"larger max_seqlen (the general, gathered layout)")
     return m
+
+
+def dispatch_args(q, cu_seqlens, is_decode) -> None:
+    """attention_dispatch's own arguments (the rest are checked by write_kv,
+    prefill_attention and paged_decode_attention): is_decode (B,) bool with B
+    = len(cu_seqlens) - 1; eagerly, every decode sequence has exactly one new
+    token (under jit its rows are NaN instead)."""
+    _checks.rank(cu_seqlens, "cu_seqlens", 1)
+    _checks.rank(is_decode, "is_decode", 1)
+    if jnp.dtype(is_decode.dtype) != jnp.dtype(bool):
+        raise TypeError(f"is_decode must be a bool array, got {is_decode.dtype}")
+    b = cu_seqlens.shape[0] - 1
+    if is_decode.shape[0] != b:
+        raise ValueError(f"is_decode must have B={b} entries (len(cu_seqlens) - 1), "
+                         f"got {is_decode.shape[0]}")
+    if _concrete(cu_seqlens) and _concrete(is_decode) and b > 0:
+        lens = np.diff(np.asarray(cu_seqlens).astype(np.int64))
+        bad = np.asarray(is_decode) & (lens != 1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"sequence {i} is a decode sequence (is_decode[{i}]) with "
+                             f"{int(lens[i])} new tokens in cu_seqlens; a decode sequence has "
+                             "exactly one")

@@ -1,6 +1,8 @@
 """Paged-KV-cache attention: write_kv and paged_decode_attention as XLA FFI
 custom calls (CPU and CUDA handlers), prefill_attention over packed
-variable-length sequences through jax.nn.dot_product_attention.
+variable-length sequences through jax.nn.dot_product_attention, and
+attention_dispatch: one step of a batch that mixes prefill and decode
+sequences.
 
 The KV cache is plain arrays:
   k_pages, v_pages  (num_pages, page_size, Hkv, D)
@@ -21,6 +23,8 @@ Invalid values (only checkable eagerly; under jax.jit the kernels guard instead)
   - prefill_attention(..., max_seqlen=M): a sequence longer than M (or, when
     N == B * M, one not starting at a multiple of M) poisons the output with
     NaN under jit; eagerly it raises ValueError.
+  - attention_dispatch: a decode sequence with other than one new token gets
+    NaN rows under jit; eagerly it raises ValueError.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import numpy as np
 
 from jax_moe import _attention_checks as _ac
 from jax_moe import _checks, _ffi
-from jax_moe.attention_reference import segment_ids
+from jax_moe.attention_reference import dispatch_steps, segment_ids
 
-__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "prefill_path", "fill_rows",
+__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "prefill_path",
+           "attention_dispatch", "fill_rows",
            "decode_num_splits", "decode_split_tokens", "DECODE_SPLIT_UNIT",
            "DECODE_MAX_SPLIT_TOKENS"]
 
@@ -225,6 +230,48 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
         q[None], k[None], v[None], mask=mask[None, None], scale=scale, implementation=impl)[0]
     out = out.astype(dtype)
     return jnp.where((seg >= 0)[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def attention_dispatch(q, k, v, k_pages, v_pages, page_table, lengths, cu_seqlens, is_decode,
+                       slot_mapping, *, scale=None, max_seqlen=None, implementation=None,
+                       split_tokens=None):
+    """One attention step of a batch that mixes prefill and decode sequences
+    (continuous batching), with static shapes; jittable.
+
+    The batch: B sequences whose new tokens are packed into N rows; sequence
+    b's are rows cu_seqlens[b] .. cu_seqlens[b+1]-1 of q (N, Hq, D) and k, v
+    (N, Hkv, D); rows past cu_seqlens[-1] are padding (output 0).
+      - is_decode[b] true (decode): exactly one new token, which attends over
+        the sequence's paged cache: lengths[b] tokens through page_table[b],
+        its own new token included.
+      - is_decode[b] false (prefill): its tokens attend causally to each other
+        (a prompt from scratch; lengths[b] is not used).
+    slot_mapping (N,) int32: the cache slot of each new token (negative: not
+    written), as write_kv takes it.
+
+    Every new token is written to the cache first (write_kv; donate the
+    caches under jit for an in-place update), then both paths run over the
+    whole batch: prefill_attention over the packed rows (each decode token a
+    sequence of one; max_seqlen, implementation as there) and
+    paged_decode_attention over each sequence's first row (split_tokens as
+    there), with the prefill sequences' lengths set to 0 so that their
+    blocks read nothing. Each row takes its sequence's path's output.
+
+    Returns (out (N, Hq, D), k_pages, v_pages). A decode sequence with other
+    than one new token raises ValueError eagerly; under jit its rows are NaN.
+    Twin: jax_moe.attention_reference.attention_dispatch."""
+    prefill_path(q, k, v, cu_seqlens, causal=True, scale=scale, implementation=implementation,
+                 max_seqlen=max_seqlen)  # its argument checks, before any kernel
+
+    def prefill(q_, k_, v_, cu):
+        return prefill_attention(q_, k_, v_, cu, causal=True, scale=scale,
+                                 implementation=implementation, max_seqlen=max_seqlen)
+
+    def decode(qd, kp, vp, pt, ln):
+        return paged_decode_attention(qd, kp, vp, pt, ln, scale=scale, split_tokens=split_tokens)
+
+    return dispatch_steps(write_kv, prefill, decode, q, k, v, k_pages, v_pages, page_table,
+                          lengths, cu_seqlens, is_decode, slot_mapping, scale, split_tokens)
 
 
 def fill_rows(x, start, poison):

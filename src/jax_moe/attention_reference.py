@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _attention_checks as _ac
+from jax_moe import _checks
 
-__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "segment_ids", "fill_rows"]
+__all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "attention_dispatch",
+           "segment_ids", "fill_rows"]
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
@@ -95,3 +97,58 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None):
     o = jnp.einsum("hgqk,khd->qhgd", e / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
     return o.reshape(n, hq, d).astype(q.dtype)
+
+
+def dispatch_steps(write_kv_fn, prefill_fn, decode_fn, q, k, v, k_pages, v_pages, page_table,
+                   lengths, cu_seqlens, is_decode, slot_mapping, scale, split_tokens):
+    """attention_dispatch built from the three ops it is given (the kernels'
+    or their twins'): write every new token, prefill over the packed batch
+    (decode tokens as sequences of one, replaced), decode over the B
+    sequences' first tokens (prefill sequences with length 0: nothing read),
+    then a select per row; a decode sequence with other than one new token
+    gets NaN rows."""
+    # Every op's checks first, so that bad input raises before any kernel runs.
+    _ac.dispatch_args(q, cu_seqlens, is_decode)
+    _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
+    _ac.prefill_args(q, k, v, cu_seqlens, scale)
+    n = q.shape[0]
+    b = is_decode.shape[0]
+    _checks.rank(lengths, "lengths", 1)
+    _checks.int_dtype(lengths, "lengths")
+    if lengths.shape[0] != b:
+        raise ValueError(f"lengths must have B={b} entries (len(cu_seqlens) - 1), "
+                         f"got {lengths.shape[0]}")
+    decode_lengths = jnp.where(is_decode, lengths.astype(jnp.int32), 0)
+    _ac.decode_args(jax.ShapeDtypeStruct((b,) + q.shape[1:], q.dtype), k_pages, v_pages,
+                    page_table, decode_lengths, scale)
+    _ac.decode_split_tokens(split_tokens, page_table.shape[1] * k_pages.shape[1])
+    k_pages, v_pages = write_kv_fn(k_pages, v_pages, k, v, slot_mapping)
+    cu = cu_seqlens.astype(jnp.int32)
+    prefill_out = prefill_fn(q, k, v, cu)
+    if n == 0 or b == 0:  # no query token, or no sequence: prefill's zeros
+        return prefill_out, k_pages, v_pages
+    q_first = jnp.take(q, cu[:-1], axis=0, mode="fill", fill_value=0)  # (B, Hq, D)
+    decode_out = decode_fn(q_first, k_pages, v_pages, page_table, decode_lengths)
+    seg = segment_ids(cu, n)
+    seq = jnp.clip(seg, 0, b - 1)
+    row_decode = (seg >= 0) & is_decode[seq]
+    row_bad = row_decode & ((cu[1:] - cu[:-1])[seq] != 1)
+    out = jnp.where(row_decode[:, None, None], decode_out[seq], prefill_out)
+    return (jnp.where(row_bad[:, None, None], jnp.asarray(jnp.nan, out.dtype), out),
+            k_pages, v_pages)
+
+
+def attention_dispatch(q, k, v, k_pages, v_pages, page_table, lengths, cu_seqlens, is_decode,
+                       slot_mapping, *, scale=None, max_seqlen=None, implementation=None,
+                       split_tokens=None):
+    """The twin of jax_moe.attention.attention_dispatch; max_seqlen and
+    split_tokens are checked for signature parity, implementation is not
+    used."""
+    _ac.prefill_max_seqlen(q, cu_seqlens, max_seqlen)
+
+    def decode(qd, kp, vp, pt, ln):
+        return paged_decode_attention(qd, kp, vp, pt, ln, scale=scale, split_tokens=split_tokens)
+
+    return dispatch_steps(write_kv, lambda q_, k_, v_, cu: prefill_attention(
+        q_, k_, v_, cu, causal=True, scale=scale), decode, q, k, v, k_pages, v_pages, page_table,
+        lengths, cu_seqlens, is_decode, slot_mapping, scale, split_tokens)
