@@ -256,6 +256,10 @@ def attention_dispatch(q, k, v, k_pages, v_pages, page_table, lengths, cu_seqlen
     paged_decode_attention over each sequence's first row (split_tokens as
     there), with the prefill sequences' lengths set to 0 so that their
     blocks read nothing. Each row takes its sequence's path's output.
+    Cost: the prefill path also attends each decode token to itself, and
+    with max_seqlen it pads every sequence, decode ones included, to
+    max_seqlen rows (B * max_seqlen); for batches of many decode sequences
+    leave max_seqlen None (a mask over the N packed rows).
 
     Returns (out (N, Hq, D), k_pages, v_pages). A decode sequence with other
     than one new token raises ValueError eagerly; under jit its rows are NaN.
