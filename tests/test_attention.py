@@ -741,6 +741,16 @@ def test_dispatch_matches_numpy_and_reference(rng, dtype, batch, gqa):
     assert_equal(out[-3:], np.zeros_like(np.asarray(out[-3:])), "padding rows")
 
 
+def test_dispatch_with_max_seqlen_and_split(rng):
+    """max_seqlen (the padded prefill layout) and split_tokens pass through."""
+    kinds = [("prefill", 20), ("decode", 130), ("prefill", 3), ("decode", 5)]
+    args, (want, _, _) = mixed_batch(rng, kinds, jnp.float32)
+    f = jax.jit(functools.partial(attention.attention_dispatch, max_seqlen=24, split_tokens=64))
+    assert_close(f(*args)[0], want, jnp.float32, "dispatch vs numpy")
+    with pytest.raises(ValueError, match="more than max_seqlen=16"):
+        attention.attention_dispatch(*args, max_seqlen=16)
+
+
 def test_dispatch_decode_rows_are_paged_decode(rng):
     """A decode row of the dispatch is paged_decode_attention's output for its
     sequence on the updated cache, bit for bit."""
