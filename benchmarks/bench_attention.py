@@ -14,6 +14,13 @@ prefill: prefill_attention on B sequences packed into S tokens vs dense
          layout), and with the mask forced onto "xla". Reported as µs and
          TFLOP/s of useful causal FLOPs: 4 * Hq * D * sum_i s_i (s_i + 1) / 2,
          and the max abs difference to dense XLA.
+dispatch: attention_dispatch on a continuous-batching step (B decode
+         sequences of L tokens, pages of 16 in random order, and one prompt
+         of P tokens joining), against the same work as separate calls
+         (write_kv, paged_decode_attention over the B sequences,
+         prefill_attention over the prompt): the cost of the static-shape
+         dispatch. The caches are threaded through the chain, so that
+         write_kv updates them in place.
 
 Timing: a jitted straight-line loop of many calls, each call's output is the
 next call's query (nothing hoisted or cached), run after a warm-up several
@@ -40,10 +47,12 @@ from jax_moe import attention
 
 DECODE_CASES = ((64, 4096), (8, 32768))      # (B, L)
 PREFILL_CASES = ((1, 4096), (4, 8192))       # (B sequences, S packed tokens)
+DISPATCH_CASES = ((64, 4096, 512),)          # (B decode sequences, L, prompt tokens)
 PAGE_SIZES = (16, 64)
 HEADS = (32, 8, 128)                         # Hq, Hkv, D
 QUICK_DECODE_CASES = ((4, 256), (2, 1024))
 QUICK_PREFILL_CASES = ((1, 128), (2, 256))
+QUICK_DISPATCH_CASES = ((4, 256, 64),)
 QUICK_HEADS = (4, 2, 64)
 
 
@@ -59,6 +68,22 @@ def time_loop(step, q, args, calls, repeats):
 
         run(q, *args).block_until_ready()  # compile + warm-up
         return lambda: run(q, *args).block_until_ready()
+
+    return per_call_seconds(program, calls, repeats)
+
+
+def time_state_loop(step, state, args, calls, repeats):
+    """time_loop for a step whose chained state is a tuple (the query and the
+    caches): `step(state, *args) -> state'`. Only the chain's first write
+    copies the (not donated) caches, once per program: the slope drops it."""
+
+    def program(n):
+        @jax.jit
+        def run(state, *args):
+            return chain(lambda i, st: step(st, *args), n, state)
+
+        jax.block_until_ready(run(state, *args))  # compile + warm-up
+        return lambda: jax.block_until_ready(run(state, *args))
 
     return per_call_seconds(program, calls, repeats)
 
@@ -221,6 +246,60 @@ def bench_prefill(b, s, heads, dtype, calls, repeats, on_gpu, rng):
     return rows
 
 
+def bench_dispatch(b, length, prompt, heads, dtype, calls, repeats, on_gpu, rng):
+    hq, hkv, d = heads
+    ps = 16
+    per_seq, prompt_pages = -(-length // ps), -(-prompt // ps)
+    num_pages = b * per_seq + prompt_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.full((b + 1, max(per_seq, prompt_pages)), -1, np.int32)
+    table[:b, :per_seq] = perm[:b * per_seq].reshape(b, per_seq)
+    table[b, :prompt_pages] = perm[b * per_seq:]
+    n = b + prompt
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (n, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (n, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (n, hkv, d), jnp.float32).astype(dtype)
+    k_pages = jax.random.normal(kc, (num_pages, ps, hkv, d), jnp.float32).astype(dtype)
+    v_pages = k_pages[::-1]
+    # Decode token of sequence i: position length - 1; the prompt: 0 .. prompt - 1.
+    pos = np.concatenate([np.full(b, length - 1), np.arange(prompt)])
+    seq = np.concatenate([np.arange(b), np.full(prompt, b)])
+    slots = jnp.asarray((table[seq, pos // ps] * ps + pos % ps).astype(np.int32))
+    lengths = jnp.asarray(np.append(np.full(b, length), prompt).astype(np.int32))
+    cu = jnp.asarray(np.append(np.arange(b + 1), n).astype(np.int32))
+    is_decode = jnp.asarray(np.arange(b + 1) < b)
+    table = jnp.asarray(table)
+    cu_prompt = jnp.asarray(np.array([0, prompt], np.int32))
+    case = f"B={b} L={length} +{prompt}"
+
+    def dispatch(st, k, v, table, lengths, cu, is_decode, slots):
+        out, kp, vp = attention.attention_dispatch(st[0], k, v, st[1], st[2], table, lengths, cu,
+                                                   is_decode, slots)
+        return out, kp, vp
+
+    def separate(st, k, v, table, lengths, cu, is_decode, slots):
+        x, kp, vp = st
+        kp, vp = attention.write_kv(kp, vp, k, v, slots)
+        dec = attention.paged_decode_attention(x[:b], kp, vp, table[:b], lengths[:b])
+        pre = attention.prefill_attention(x[b:], k[b:], v[b:], cu_prompt, causal=True)
+        return jnp.concatenate([dec, pre]), kp, vp
+
+    args = (k, v, table, lengths, cu, is_decode, slots)
+    state = (q, k_pages, v_pages)
+    secs = {name: time_state_loop(fn, state, args, calls, repeats)
+            for name, fn in (("separate calls", separate), ("attention_dispatch", dispatch))}
+    outs = {name: np.asarray(jax.jit(fn)(state, *args)[0].astype(jnp.float32))
+            for name, fn in (("separate calls", separate), ("attention_dispatch", dispatch))}
+    err = float(np.max(np.abs(outs["attention_dispatch"] - outs["separate calls"])))
+    base = secs["separate calls"]
+    return [{"kind": "dispatch", "case": case, "B": b, "L": length, "prompt": prompt,
+             "impl": name, "us": sec * 1e6, "vs_separate": sec / base,
+             "max_abs_err_vs_separate": err if name == "attention_dispatch" else None}
+            for name, sec in secs.items()]
+
+
 def _fmt(x, spec):
     return "failed" if x is None else format(x, spec)
 
@@ -229,11 +308,15 @@ def print_row(r):
     if r["kind"] == "decode":
         err = r["max_abs_err_vs_xla"]
         extra = f"{_fmt(r['tbps'], '.3f'):>10} TB/s  err vs xla {'-' if err is None else f'{err:.1e}'}"
+    elif r["kind"] == "dispatch":
+        err = r["max_abs_err_vs_separate"]
+        extra = (f"{r['vs_separate']:>10.3f} x separate  err vs separate "
+                 f"{'-' if err is None else f'{err:.1e}'}")
     else:
         err = r["max_abs_err_vs_xla"]
         extra = (f"{_fmt(r['tflops'], '.2f'):>10} TFLOP/s  err vs xla "
                  f"{'-' if err is None else f'{err:.1e}'}")
-    print(f"{r['kind']:<8}{r['case']:<16}{r['impl']:<46}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
+    print(f"{r['kind']:<9}{r['case']:<16}{r['impl']:<46}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
           flush=True)
 
 
@@ -245,7 +328,7 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, kind, metric, label in ((axes[0], "decode", "tbps", "TB/s of KV read"),
                                     (axes[1], "prefill", "tflops", "TFLOP/s (causal)")):
-        rs = [r for r in rows if r["kind"] == kind]
+        rs = [r for r in rows if r["kind"] == kind]  # dispatch rows: the table only
         cases = list(dict.fromkeys(r["case"] for r in rs))
         impls = list(dict.fromkeys(r["impl"] for r in rs))
         width = 0.8 / max(1, len(impls))
@@ -267,7 +350,7 @@ def plot(rows, path):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes, any backend (smoke test)")
-    p.add_argument("--only", choices=["decode", "prefill"], help="run one kind only")
+    p.add_argument("--only", choices=["decode", "prefill", "dispatch"], help="run one kind only")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default bfloat16 (float32 for --quick on CPU)")
     p.add_argument("--calls", type=int, default=None, help="calls per timed loop")
@@ -289,6 +372,7 @@ def main() -> None:
     on_gpu = backend in ("gpu", "cuda")
     decode_cases = QUICK_DECODE_CASES if args.quick else DECODE_CASES
     prefill_cases = QUICK_PREFILL_CASES if args.quick else PREFILL_CASES
+    dispatch_cases = QUICK_DISPATCH_CASES if args.quick else DISPATCH_CASES
     heads = QUICK_HEADS if args.quick else HEADS
     calls = args.calls or (2 if args.quick else 100)
     repeats = 2 if args.quick else args.repeats
@@ -307,15 +391,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     write_json(args.json, meta, rows)
-    print(f"{'kind':<8}{'case':<16}{'impl':<46}{'time':>12}")
+    print(f"{'kind':<9}{'case':<16}{'impl':<46}{'time':>12}")
     jobs = []
     if args.only in (None, "decode"):
         jobs += [(bench_decode, c) for c in decode_cases]
     if args.only in (None, "prefill"):
         jobs += [(bench_prefill, c) for c in prefill_cases]
-    for fn, (b, n) in jobs:
+    if args.only in (None, "dispatch"):
+        jobs += [(bench_dispatch, c) for c in dispatch_cases]
+    for fn, case in jobs:
         extra = {"decode_splits": splits} if fn is bench_decode else {}
-        for r in fn(b, n, heads, dtype, calls, repeats, on_gpu, rng, **extra):
+        for r in fn(*case, heads, dtype, calls, repeats, on_gpu, rng, **extra):
             rows.append(r)
             print_row(r)
         write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
