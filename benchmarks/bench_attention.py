@@ -57,25 +57,12 @@ QUICK_HEADS = (4, 2, 64)
 
 
 
-def time_loop(step, q, args, calls, repeats):
-    """Device seconds per call of `step(q, *args) -> q'`, chained on its own
-    output (_bench_common.per_call_seconds)."""
-
-    def program(n):
-        @jax.jit
-        def run(q, *args):
-            return chain(lambda i, x: step(x, *args), n, q)
-
-        run(q, *args).block_until_ready()  # compile + warm-up
-        return lambda: run(q, *args).block_until_ready()
-
-    return per_call_seconds(program, calls, repeats)
-
-
-def time_state_loop(step, state, args, calls, repeats):
-    """time_loop for a step whose chained state is a tuple (the query and the
-    caches): `step(state, *args) -> state'`. Only the chain's first write
-    copies the (not donated) caches, once per program: the slope drops it."""
+def time_loop(step, state, args, calls, repeats):
+    """Device seconds per call of `step(state, *args) -> state'`, chained on
+    its own output (_bench_common.per_call_seconds). The state is the query,
+    or a tuple of the query and the caches for a step that writes them: only
+    the chain's first write then copies the (not donated) caches, once per
+    program, and the slope drops it."""
 
     def program(n):
         @jax.jit
@@ -275,9 +262,8 @@ def bench_dispatch(b, length, prompt, heads, dtype, calls, repeats, on_gpu, rng)
     case = f"B={b} L={length} +{prompt}"
 
     def dispatch(st, k, v, table, lengths, cu, is_decode, slots):
-        out, kp, vp = attention.attention_dispatch(st[0], k, v, st[1], st[2], table, lengths, cu,
-                                                   is_decode, slots)
-        return out, kp, vp
+        return attention.attention_dispatch(st[0], k, v, st[1], st[2], table, lengths, cu,
+                                            is_decode, slots)
 
     def separate(st, k, v, table, lengths, cu, is_decode, slots):
         x, kp, vp = st
@@ -288,10 +274,10 @@ def bench_dispatch(b, length, prompt, heads, dtype, calls, repeats, on_gpu, rng)
 
     args = (k, v, table, lengths, cu, is_decode, slots)
     state = (q, k_pages, v_pages)
-    secs = {name: time_state_loop(fn, state, args, calls, repeats)
-            for name, fn in (("separate calls", separate), ("attention_dispatch", dispatch))}
+    steps = {"separate calls": separate, "attention_dispatch": dispatch}
+    secs = {name: time_loop(fn, state, args, calls, repeats) for name, fn in steps.items()}
     outs = {name: np.asarray(jax.jit(fn)(state, *args)[0].astype(jnp.float32))
-            for name, fn in (("separate calls", separate), ("attention_dispatch", dispatch))}
+            for name, fn in steps.items()}
     err = float(np.max(np.abs(outs["attention_dispatch"] - outs["separate calls"])))
     base = secs["separate calls"]
     return [{"kind": "dispatch", "case": case, "B": b, "L": length, "prompt": prompt,

@@ -797,8 +797,8 @@ def test_dispatch_bad_decode_sequence(rng):
 ])
 def test_dispatch_errors(case, exc, match):
     q, k = jnp.zeros((3, 4, 64)), jnp.zeros((3, 2, 64))
-    kp = jnp.zeros((4, 16, 2, 64))
-    table, ln = jnp.zeros((2, 2), jnp.int32), jnp.asarray([5, 1], jnp.int32)
+    _, kp, _, table, _ = _decode_inputs()  # 4 pages of 16, a (2, 2) page table
+    ln = jnp.asarray([5, 1], jnp.int32)
     cu, dec = jnp.asarray([0, 2, 3], jnp.int32), jnp.asarray([False, True])
     slots, kw = jnp.asarray([0, 1, 20], jnp.int32), {}
     if case == "dec_dtype":
