@@ -302,7 +302,7 @@ def print_row(r):
         err = r["max_abs_err_vs_xla"]
         extra = (f"{_fmt(r['tflops'], '.2f'):>10} TFLOP/s  err vs xla "
                  f"{'-' if err is None else f'{err:.1e}'}")
-    print(f"{r['kind']:<9}{r['case']:<16}{r['impl']:<46}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
+    print(f"{r['kind']:<9}{r['case']:<18}{r['impl']:<46}{_fmt(r['us'], '.1f'):>12} µs  {extra}",
           flush=True)
 
 
@@ -377,7 +377,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     write_json(args.json, meta, rows)
-    print(f"{'kind':<9}{'case':<16}{'impl':<46}{'time':>12}")
+    print(f"{'kind':<9}{'case':<18}{'impl':<46}{'time':>12}")
     jobs = []
     if args.only in (None, "decode"):
         jobs += [(bench_decode, c) for c in decode_cases]

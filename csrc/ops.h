@@ -19,6 +19,7 @@ namespace jax_moe {
   X("jax_moe_group_gemm", GroupGemm)       \
   X("jax_moe_expert_mlp", ExpertMlp)       \
   X("jax_moe_moe_layer", MoeLayer)         \
+  X("jax_moe_moe_decode", MoeDecode)       \
   X("jax_moe_gated_act", GatedAct)         \
   X("jax_moe_combine", Combine)            \
   X("jax_moe_write_kv", WriteKv)           \
@@ -200,6 +201,21 @@ auto MoeLayerSignature(Bound bound) {
       .template Ret<xla::ffi::AnyBuffer>()   // scratch: expert outputs y
       .template Ret<xla::ffi::AnyBuffer>()   // scratch: h
       .template Ret<xla::ffi::AnyBuffer>();  // scratch: a
+}
+
+// moe_decode (ops.moe_decode): the routed layer for one token in one call
+template <typename Bound>
+auto MoeDecodeSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // hidden_states (1, H)
+      .template Arg<xla::ffi::AnyBuffer>()  // router_logits (1, E)
+      .template Arg<xla::ffi::AnyBuffer>()  // w13 (E, 2*I, H)
+      .template Arg<xla::ffi::AnyBuffer>()  // w2 (E, H, I)
+      .template Attr<int64_t>("topk")
+      .template Attr<bool>("renormalize")
+      .template Attr<float>("routed_scaling_factor")
+      .template Ret<xla::ffi::AnyBuffer>()  // out (1, H)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: act (topk, I)
 }
 
 #ifdef JAX_MOE_WITH_SM90

@@ -41,6 +41,55 @@ inline ffi::Error CheckRoute(const ffi::AnyBuffer& logits, const ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// moe_decode (one token, the whole routed layer in one call): the limits of
+// its CUDA kernel, which both handlers enforce so that both platforms accept
+// the same calls (ops.moe_decode_supported says the same in Python).
+constexpr int64_t kDecodeMaxTopk = 8;        // weights per slot in shared memory
+constexpr int64_t kDecodeMaxExperts = 1024;  // logits in shared memory
+constexpr int64_t kDecodeMaxHidden = 2048;   // x in registers: 8 x 16 bytes a lane
+constexpr int64_t kDecodeMaxInter = 1024;    // act in registers: 4 x 8 floats a lane
+
+struct DecodeDims {
+  int64_t experts, hidden, inter, k;
+};
+
+// x (1, H), logits (1, E) (f32, bf16 or f16), w13 (E, 2*I, H), w2 (E, H, I);
+// out (1, H); act (k, I) f32 scratch.
+inline ffi::Error CheckMoeDecode(const ffi::AnyBuffer& x, const ffi::AnyBuffer& logits,
+                                 const ffi::AnyBuffer& w13, const ffi::AnyBuffer& w2,
+                                 int64_t topk, const ffi::AnyBuffer& out,
+                                 const ffi::Buffer<ffi::F32>& act, DecodeDims* d) {
+  auto xd = x.dimensions();
+  auto ld = logits.dimensions();
+  auto w1 = w13.dimensions();
+  auto w2d = w2.dimensions();
+  if (xd.size() != 2 || xd[0] != 1 || ld.size() != 2 || ld[0] != 1 || w1.size() != 3 ||
+      w2d.size() != 3)
+    return InvalidArg("moe_decode: x must be (1, H), logits (1, E), w13 (E, 2*I, H), w2 (E, H, I)");
+  const int64_t experts = ld[1], hidden = xd[1], inter = w2d.size() == 3 ? w2d[2] : 0;
+  if (w1[0] != experts || w1[1] != 2 * inter || w1[2] != hidden || w2d[0] != experts ||
+      w2d[1] != hidden)
+    return InvalidArg("moe_decode: w13 must be (E, 2*I, H) and w2 (E, H, I) for x (1, H), logits (1, E)");
+  const ffi::DataType t = x.element_type();
+  if (t != ffi::DataType::BF16 && t != ffi::DataType::F16)
+    return InvalidArg("moe_decode: x must be bfloat16 or float16");
+  if (w13.element_type() != t || w2.element_type() != t || out.element_type() != t)
+    return InvalidArg("moe_decode: x, the weights and the output must share a dtype");
+  if (!IsFloatType(logits.element_type())) return InvalidArg("moe_decode: logits must be float");
+  if (topk < 1 || topk > experts || topk > kDecodeMaxTopk)
+    return InvalidArg("moe_decode: topk must be in [1, min(E, 8)]");
+  if (experts > kDecodeMaxExperts) return InvalidArg("moe_decode: E must be <= 1024");
+  if (hidden < 256 || hidden > kDecodeMaxHidden || hidden % 256)
+    return InvalidArg("moe_decode: H must be a multiple of 256 in [256, 2048]");
+  if (inter < 256 || inter > kDecodeMaxInter || inter % 256)
+    return InvalidArg("moe_decode: I must be a multiple of 256 in [256, 1024]");
+  if (out.element_count() != static_cast<size_t>(hidden) ||
+      act.element_count() != static_cast<size_t>(topk * inter))
+    return InvalidArg("moe_decode: out must be (1, H) and the scratch (topk, I)");
+  *d = {experts, hidden, inter, topk};
+  return ffi::Error::Success();
+}
+
 struct GemmDims {
   int64_t m, k, groups, n;
   int64_t x_rows;  // rows of x (== m without a gather)

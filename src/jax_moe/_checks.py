@@ -275,3 +275,29 @@ def layer_args(hidden_states, router_logits, w13, w2, topk_value, shared_expert_
         raise ValueError(
             f"shared_expert_output must be (T={tokens}, H={hidden}), got {shared_expert_output.shape}")
     return k
+
+
+# moe_decode's kernel limits (csrc/shape_checks.h, CheckMoeDecode): one token,
+# bf16/f16, H a multiple of 256 up to 2048, I a multiple of 256 up to 1024,
+# topk <= 8, E <= 1024.
+DECODE_DTYPES = ("bfloat16", "float16")
+
+
+def decode_limits(hidden_states, w13, w2, k: int) -> str | None:
+    """Why moe_decode cannot take this (already shape-checked) layer, or None."""
+    tokens, hidden = hidden_states.shape
+    experts, _, _ = w13.shape
+    inter = w2.shape[2]
+    if tokens != 1:
+        return f"moe_decode takes one token: hidden_states must be (1, H), got {hidden_states.shape}"
+    if jnp.dtype(hidden_states.dtype).name not in DECODE_DTYPES:
+        return f"moe_decode needs bfloat16 or float16 hidden_states, got {hidden_states.dtype}"
+    if hidden % 256 or not 256 <= hidden <= 2048:
+        return f"moe_decode needs H a multiple of 256 in [256, 2048], got H={hidden}"
+    if inter % 256 or not 256 <= inter <= 1024:
+        return f"moe_decode needs I a multiple of 256 in [256, 1024], got I={inter}"
+    if k > 8:
+        return f"moe_decode needs topk <= 8, got topk={k}"
+    if experts > 1024:
+        return f"moe_decode needs at most 1024 experts, got E={experts}"
+    return None

@@ -29,6 +29,8 @@ __all__ = [
     "gelu_and_mul",
     "moe_combine",
     "moe_layer",
+    "moe_decode",
+    "moe_decode_supported",
 ]
 
 
@@ -298,3 +300,41 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
                 routed_scaling_factor=np.float32(scale), activation=np.int64(code),
                 gated=bool(is_gated), tile_m1=np.int64(t1), tile_m2=np.int64(t2))
     return outs[0]
+
+
+def moe_decode_supported(hidden_states, router_logits, w13, w2, topk: int) -> bool:
+    """Whether moe_decode takes this layer (its kernel's limits; the
+    arguments themselves are checked by moe_decode)."""
+    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk)
+    return _checks.decode_limits(hidden_states, w13, w2, k) is None
+
+
+def moe_decode(hidden_states, router_logits, w13, w2, topk: int, *, renormalize: bool = True,
+               routed_scaling_factor: float = 1.0):
+    """The routed layer for ONE token in one kernel: softmax top-k routing,
+    w13, SiLU-and-mul, w2 and the weighted combine. hidden_states (1, H)
+    bfloat16 or float16, router_logits (1, E) float, w13 (E, 2*I, H), w2
+    (E, H, I) -> (1, H). Limits: H and I multiples of 256, H <= 2048,
+    I <= 1024, topk <= 8, E <= 1024 (``moe_decode_supported``).
+
+    The rounding points are moe_layer's (h, the activation and each expert's
+    output in the input dtype, f32 sums) but the sums run in another order,
+    so the bits may differ from moe_layer's; the result is the same bits run
+    to run. On the GPU one block per SM streams the chosen experts' w13 rows
+    while its w2 rows load into shared memory, then a grid-wide barrier
+    (cooperative launch) and w2 + combine (csrc/cuda/moe_decode.cu).
+    moe_forward uses it on the GPU wherever it applies."""
+    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk)
+    _, _, _, scale = _checks.route_args(router_logits, k, "softmax", None, None, None,
+                                        routed_scaling_factor)
+    why = _checks.decode_limits(hidden_states, w13, w2, k)
+    if why is not None:
+        raise ValueError(why)
+    hidden, inter = hidden_states.shape[1], w2.shape[2]
+    call = jax.ffi.ffi_call(
+        "jax_moe_moe_decode",
+        (_sds((1, hidden), hidden_states.dtype), _sds((k, inter), jnp.float32)),  # out, act scratch
+        vmap_method="sequential")
+    out, _ = call(hidden_states, router_logits, w13, w2, topk=np.int64(k),
+                  renormalize=bool(renormalize), routed_scaling_factor=np.float32(scale))
+    return out

@@ -59,15 +59,39 @@ def _dense_mlp(impl, x, w_up, w_down, st: _Static):
     return jnp.dot(a, w_down.T, preferred_element_type=jnp.float32)
 
 
+def _decode_applies(st: _Static, a: dict) -> bool:
+    """Whether ops.moe_decode computes this layer: softmax routing without
+    groups or bias, gated SiLU, and the kernel's shape limits."""
+    if (st.scoring_func != "softmax" or st.num_expert_group is not None
+            or a["e_score_correction_bias"] is not None or st.activation != "silu"
+            or not st.is_gated):
+        return False
+    return ops.moe_decode_supported(a["hidden_states"], a["router_logits"], a["w13"], a["w2"],
+                                    st.topk)
+
+
 def _layer(impl, st: _Static, a: dict):
     """The layer on one backend; `a` holds the arrays (None where absent)."""
     x = a["hidden_states"]
-    out = impl.moe_layer(  # steps 1-7, one call on the ffi backend
-        x, a["router_logits"], a["w13"], a["w2"], st.topk, scoring_func=st.scoring_func,
-        renormalize=st.renormalize, num_expert_group=st.num_expert_group,
-        topk_group=st.topk_group, e_score_correction_bias=a["e_score_correction_bias"],
-        routed_scaling_factor=st.routed_scaling_factor, activation=st.activation,
-        is_gated=st.is_gated)
+
+    def steps(x, logits, w13, w2):  # steps 1-7, one call on the ffi backend
+        return impl.moe_layer(
+            x, logits, w13, w2, st.topk, scoring_func=st.scoring_func,
+            renormalize=st.renormalize, num_expert_group=st.num_expert_group,
+            topk_group=st.topk_group, e_score_correction_bias=a["e_score_correction_bias"],
+            routed_scaling_factor=st.routed_scaling_factor, activation=st.activation,
+            is_gated=st.is_gated)
+
+    def decode(x, logits, w13, w2):  # one token, the whole layer in one kernel
+        return ops.moe_decode(x, logits, w13, w2, st.topk, renormalize=st.renormalize,
+                              routed_scaling_factor=st.routed_scaling_factor)
+
+    args = (x, a["router_logits"], a["w13"], a["w2"])
+    if impl is ops and _decode_applies(st, a):
+        # The GPU takes the one-kernel decode; other platforms keep moe_layer's bits.
+        out = jax.lax.platform_dependent(*args, cuda=decode, default=steps)
+    else:
+        out = steps(*args)
 
     extra = None
     if a["shared_w13"] is not None:

@@ -26,6 +26,7 @@ __all__ = [
     "gelu_and_mul",
     "moe_combine",
     "moe_layer",
+    "moe_decode",
 ]
 
 
@@ -194,3 +195,15 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
     y = expert_mlp(hidden_states, w13, w2, sizes, dst_to_src, k, activation=activation,
                    is_gated=is_gated, tile_m=tile_m)
     return moe_combine(y, weights, src_to_dst)
+
+
+def moe_decode(hidden_states, router_logits, w13, w2, topk: int, *, renormalize: bool = True,
+               routed_scaling_factor: float = 1.0):
+    """ops.moe_decode's twin: moe_layer with softmax routing and SiLU, for
+    one token, with moe_decode's limits."""
+    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk)
+    why = _checks.decode_limits(hidden_states, w13, w2, k)
+    if why is not None:
+        raise ValueError(why)
+    return moe_layer(hidden_states, router_logits, w13, w2, k, renormalize=renormalize,
+                     routed_scaling_factor=routed_scaling_factor)
