@@ -2,7 +2,8 @@
 what moe_forward runs; programmatic dependent launch between all its kernels
 on sm_90), as four (route, token index, expert_mlp, combine: steps 3-6 in one
 call) and as six (steps 3-6 as group_gemm_gather, gated_activation,
-group_gemm). Needs a GPU.
+group_gemm), and at one token as ops.moe_decode (the whole layer in one
+kernel; other bits, so compared with a tolerance). Needs a GPU.
 
     PYTHONPATH=<site> python3 scripts/layer_ab.py [shape ...] [--tokens 1 16]
 
@@ -38,6 +39,8 @@ FORMS = ("one", "four", "six")
 
 
 def layer(x, logits, w13, w2, topk, form):
+    if form == "decode":
+        return ops.moe_decode(x, logits, w13, w2, topk)
     if form == "one":
         return ops.moe_layer(x, logits, w13, w2, topk)
     weights, ids = ops.route(logits, topk)
@@ -71,9 +74,18 @@ def main() -> None:
             logits = jax.random.normal(keys[3], (ROUTINGS, tokens, experts), jnp.float32)
             # Weights and logits are arguments: closed over, they would be
             # embedded in the program as constants.
-            one = {f: np.asarray(jax.jit(lambda x, l, a, b, f=f: layer(x, l, a, b, topk, f))(
-                x, logits[0], w13, w2)).view(np.uint16) for f in FORMS}
+            forms = FORMS
+            if tokens == 1 and ops.moe_decode_supported(x, logits[0], w13, w2, topk):
+                forms = FORMS + ("decode",)
+            outs = {f: np.asarray(jax.jit(lambda x, l, a, b, f=f: layer(x, l, a, b, topk, f))(
+                x, logits[0], w13, w2)) for f in forms}
+            one = {f: v.view(np.uint16) for f, v in outs.items()}
             same = all(np.array_equal(one[f], one["one"]) for f in FORMS)
+            if "decode" in forms:
+                ref = outs["one"].astype(np.float32)
+                rel = float(np.max(np.abs(outs["decode"].astype(np.float32) - ref))
+                            / np.max(np.abs(ref)))
+                print(f"{name} T=1: moe_decode vs moe_layer, max abs diff / max |out| {rel:.2e}")
 
             compiled = {}
 
@@ -90,18 +102,19 @@ def main() -> None:
 
             for mode in args.modes:
                 dep = mode == "dependent"
-                best = {f: [] for f in FORMS}
+                best = {f: [] for f in forms}
                 for _ in range(args.rounds):
-                    for form in FORMS:
+                    for form in forms:
                         best[form].append(
                             per_call_seconds(lambda n: program(n, form, dep), 100, 5) * 1e6)
                 def show(v):
                     return (f"best {min(v):.1f}, median {float(np.median(v)):.1f} µs "
                             f"(rounds {', '.join(f'{t:.1f}' for t in v)})")
-                forms = "; ".join(f"{f} call{'' if f == 'one' else 's'} {show(best[f])}"
-                                  for f in FORMS)
+                times = "; ".join(f"{f} call{'' if f in ('one', 'decode') else 's'} "
+                                  f"{show(best[f])}" for f in forms)
                 equal = "bitwise equal" if same else "DIFFER"
-                print(f"{name} T={tokens} {mode}: {forms}; outputs {equal}", flush=True)
+                print(f"{name} T={tokens} {mode}: {times}; one/four/six outputs {equal}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -59,11 +59,11 @@ def test_moe_decode_matches_reference(rng, case, dtype):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("logits_kind", ["ties", "nan"])
+@pytest.mark.parametrize("logits_kind", ["ties", "one_nan", "all_nan"])
 def test_moe_decode_ties_and_nan_logits(rng, logits_kind):
-    # Equal logits: the lowest ids win, as in the router. NaN logits have no
-    # defined routing; the kernel must still pick valid experts (no read out
-    # of bounds) and return.
+    # Equal logits: the lowest ids win, as in the router. A NaN logit makes
+    # the output NaN (as softmax makes every probability NaN) while the picks
+    # stay valid experts (no read out of bounds).
     hidden, inter, experts, k = 256, 256, 8, 3
     x = normal(rng, (1, hidden), jnp.bfloat16)
     w13, w2 = _weights(rng, experts, hidden, inter, jnp.bfloat16)
@@ -77,10 +77,10 @@ def test_moe_decode_ties_and_nan_logits(rng, logits_kind):
             jnp.array([1.0, 0.0, 0.0]))
         assert_equal(got, ops.moe_decode(x, clear, w13, w2, k), "ties to the lower ids")
     else:
-        logits = jnp.full((1, experts), jnp.nan, jnp.float32)
-        got = ops.moe_decode(x, logits, w13, w2, k)
-        assert got.shape == (1, hidden)
-        jax.block_until_ready(got)
+        logits = router_logits(rng, 1, experts, jnp.float32)
+        logits = logits.at[0, 2].set(jnp.nan) if logits_kind == "one_nan" else logits * jnp.nan
+        got = np.asarray(ops.moe_decode(x, logits, w13, w2, k), np.float32)
+        assert got.shape == (1, hidden) and np.all(np.isnan(got))
 
 
 def test_moe_decode_rejects_what_it_cannot_take():

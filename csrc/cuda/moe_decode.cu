@@ -34,7 +34,28 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxHChunks = static_cast<int>(kDecodeMaxHidden / 256);  // 16 bytes a lane each
-constexpr int kDotCols = 4;  // w2 columns a warp sums at once (independent chains)
+#ifndef JAX_MOE_DECODE_DOT_COLS
+#define JAX_MOE_DECODE_DOT_COLS 4
+#endif
+constexpr int kDotCols = JAX_MOE_DECODE_DOT_COLS;  // w2 columns a warp sums at once
+
+// Phase timestamps for scripts/moe_decode_bench.cu (compiled out otherwise):
+// block b writes globaltimer at point i to g_decode_stamps[b * 8 + i].
+#ifdef JAX_MOE_DECODE_STAMPS
+__device__ unsigned long long* g_decode_stamps;
+#define DECODE_STAMP(i)                                                          \
+  do {                                                                           \
+    if (g_decode_stamps && threadIdx.x == 0) {                                   \
+      unsigned long long t;                                                      \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                      \
+      g_decode_stamps[blockIdx.x * 8 + (i)] = t;                                 \
+    }                                                                            \
+  } while (0)
+#else
+#define DECODE_STAMP(i) \
+  do {                  \
+  } while (0)
+#endif
 // Static shared memory (logits, ids, weights, barrier), kept out of the
 // dynamic budget.
 constexpr int kStaticSmem = static_cast<int>(kDecodeMaxExperts) * 4 + 512;
@@ -96,13 +117,18 @@ __device__ __forceinline__ float LoadLogit(const void* p, int type, int e) {
 
 // Step 1, all threads: expert e's rank is the number of experts ahead of it
 // (a larger logit, or an equal one with a lower id); the ranks below k are
-// the picks, in order. ids start at 0 so that logits that are NaN (every
-// comparison false) still leave valid ids. Ends with a __syncthreads.
+// the picks, in order. For the ranks a NaN logit counts as -inf, which keeps
+// them a permutation (every id valid, each slot written once); any NaN makes
+// every weight NaN, as softmax would. Ends with a __syncthreads.
 __device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
   const int e_count = a.experts, k = a.topk;
-  for (int e = threadIdx.x; e < e_count; e += kThreads) lg[e] = LoadLogit(a.logits, a.logit_type, e);
-  if (threadIdx.x < k) ids[threadIdx.x] = 0;
-  __syncthreads();
+  int nan = 0;
+  for (int e = threadIdx.x; e < e_count; e += kThreads) {
+    const float v = LoadLogit(a.logits, a.logit_type, e);
+    nan |= isnan(v);
+    lg[e] = isnan(v) ? -INFINITY : v;
+  }
+  nan = __syncthreads_or(nan);
   for (int e = threadIdx.x; e < e_count; e += kThreads) {
     const float v = lg[e];
     int rank = 0;
@@ -124,7 +150,7 @@ __device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
       for (int e = lane; e < e_count; e += 32) sum += expf(lg[e] - mx);
       sum = WarpSum(sum);
     }
-    if (lane < k) wts[lane] = expf(lg[ids[lane]] - mx) / sum * a.scale;
+    if (lane < k) wts[lane] = nan ? __int_as_float(0x7fc00000) : expf(lg[ids[lane]] - mx) / sum * a.scale;
   }
   __syncthreads();
 }
@@ -208,7 +234,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
 #pragma unroll
   for (int c = 0; c < kMaxHChunks; ++c)
     xv[c] = c < hchunks ? __ldg(static_cast<const uint4*>(a.x) + c * 32 + lane) : uint4{};
+  DECODE_STAMP(0);
   Route(a, lg, ids, wts);
+  DECODE_STAMP(1);
 
   const int h0 = blockIdx.x * a.cols;
   const int ncols = max(0, min(a.cols, H - h0));
@@ -244,7 +272,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
   }
 
   // Step 4. The barrier orders every block's act writes before these reads.
+  DECODE_STAMP(2);
   cg::this_grid().sync();
+  DECODE_STAMP(3);
   if (ncols == 0) return;
   {
     constexpr int kBatch = 4;  // a thread's loads all in flight before its stores
@@ -283,6 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
     }
     WaitW2(&bar, pass);
     __syncthreads();
+    DECODE_STAMP(4);
     if (j < k) {
       for (int col0 = warp % wps; col0 < n; col0 += kDotCols * wps) {
         uint4 wv[kDotCols][KI];
@@ -313,6 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
         }
       }
     }
+    DECODE_STAMP(5);
     __syncthreads();
     T* out = static_cast<T*>(a.out);
     for (int col = threadIdx.x; col < n; col += kThreads) {
@@ -321,6 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
       out[h0 + c0 + col] = DevScalar<DT>::Store(o);
     }
   }
+  DECODE_STAMP(6);
 }
 
 template <ffi::DataType DT, int KI>
@@ -352,29 +385,22 @@ int OptinSmem() {
   });
 }
 
-ffi::Error MoeDecodeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
-                         ffi::AnyBuffer w13, ffi::AnyBuffer w2, int64_t topk, bool renormalize,
-                         float routed_scaling_factor, AnyOut out, F32Out act) {
-  DecodeDims d;
-  if (auto e = CheckMoeDecode(x, logits, w13, w2, topk, *out, *act, &d); e.failure()) return e;
+// Sizes the grid (one block per SM) and the shared memory, then launches.
+// args' pointers, logit_type, sizes, renormalize and scale are set; cols and
+// pass_cols are filled in here.
+cudaError_t LaunchMoeDecode(cudaStream_t stream, ffi::DataType dt, DecodeArgs args) {
   const int sms = DeviceSms(), optin = OptinSmem();
-  if (sms <= 0 || optin <= 0) return LastCudaError("moe_decode device query");
-  const int k = static_cast<int>(d.k), inter = static_cast<int>(d.inter);
-  const int hidden = static_cast<int>(d.hidden);
-  const int cols = (hidden + sms - 1) / sms, grid = (hidden + cols - 1) / cols;
+  if (sms <= 0 || optin <= 0) return cudaErrorInvalidDevice;
+  const int k = args.topk, inter = args.inter, hidden = args.hidden;
+  args.cols = (hidden + sms - 1) / sms;
+  const int grid = (hidden + args.cols - 1) / args.cols;
   // Columns of w2 rows a pass holds: what fits beside act and y.
   const int elt = 2;  // bf16 / f16
   const int budget_all = optin - kStaticSmem;
   const int budget = budget_all - k * inter * 4;
-  const int pass_cols = std::min(cols, budget / (k * (inter * elt + 4)));
-  if (pass_cols < 1) return InvalidArg("moe_decode: too little shared memory on this device");
-  const int smem = k * pass_cols * inter * elt + k * inter * 4 + pass_cols * k * 4;
-  const ffi::DataType lt = logits.element_type();
-  DecodeArgs args{x.untyped_data(), logits.untyped_data(), w13.untyped_data(), w2.untyped_data(),
-                  act->typed_data(), out->untyped_data(),
-                  lt == ffi::DataType::BF16 ? 1 : lt == ffi::DataType::F16 ? 2 : 0,
-                  static_cast<int>(d.experts), hidden, inter, k, cols, pass_cols, renormalize,
-                  routed_scaling_factor};
+  args.pass_cols = std::min(args.cols, budget / (k * (inter * elt + 4)));
+  if (args.pass_cols < 1) return cudaErrorInvalidConfiguration;
+  const int smem = k * args.pass_cols * inter * elt + k * inter * 4 + args.pass_cols * k * 4;
   auto launch = [&]<ffi::DataType DT>() -> cudaError_t {
     switch (inter / 256) {
       case 1: return LaunchDecode<DT, 1>(stream, args, grid, smem, budget_all);
@@ -383,10 +409,23 @@ ffi::Error MoeDecodeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
       default: return LaunchDecode<DT, 4>(stream, args, grid, smem, budget_all);
     }
   };
-  const cudaError_t err = x.element_type() == ffi::DataType::BF16
-                              ? launch.template operator()<ffi::DataType::BF16>()
-                              : launch.template operator()<ffi::DataType::F16>();
-  return CudaError(err, "moe_decode launch");
+  return dt == ffi::DataType::BF16 ? launch.template operator()<ffi::DataType::BF16>()
+                                   : launch.template operator()<ffi::DataType::F16>();
+}
+
+ffi::Error MoeDecodeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
+                         ffi::AnyBuffer w13, ffi::AnyBuffer w2, int64_t topk, bool renormalize,
+                         float routed_scaling_factor, AnyOut out, F32Out act) {
+  DecodeDims d;
+  if (auto e = CheckMoeDecode(x, logits, w13, w2, topk, *out, *act, &d); e.failure()) return e;
+  const ffi::DataType lt = logits.element_type();
+  DecodeArgs args{x.untyped_data(), logits.untyped_data(), w13.untyped_data(), w2.untyped_data(),
+                  act->typed_data(), out->untyped_data(),
+                  lt == ffi::DataType::BF16 ? 1 : lt == ffi::DataType::F16 ? 2 : 0,
+                  static_cast<int>(d.experts), static_cast<int>(d.hidden),
+                  static_cast<int>(d.inter), static_cast<int>(d.k), 0, 0, renormalize,
+                  routed_scaling_factor};
+  return CudaError(LaunchMoeDecode(stream, x.element_type(), args), "moe_decode launch");
 }
 
 }  // namespace
