@@ -56,6 +56,15 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Streaming 16-byte load that does not allocate in L1 (weights are read once).
+__device__ __forceinline__ uint4 LdgStream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Inclusive prefix sum over the 32 lanes of a warp (all lanes must call it).
 template <typename T>
 __device__ __forceinline__ T WarpInclusiveSum(T v) {
@@ -174,6 +183,17 @@ __device__ __forceinline__ void TmaLoad2D(void* dst, const void* map, int c0, in
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(SmemAddr(dst)),
       "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar)), "l"(policy)
+      : "memory");
+}
+// A bulk copy (no tensor map) of `bytes` (a multiple of 16; both addresses
+// 16-byte aligned) from global into shared memory, completion counted on
+// `bar`'s transactions.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, unsigned bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
 // An arrival on `bar` once this thread's earlier cp.async copies have landed

@@ -620,15 +620,6 @@ constexpr int kSKW = kWarps;  // warps splitting K
 constexpr int kSKStep = 32;
 static_assert(32 * kSKW == kThreads, "skinny warp layout");
 
-// Streaming 16-byte load that does not allocate in L1 (weights are read once).
-__device__ __forceinline__ uint4 LdgStream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // KT: k steps per trip of the load loop (KT x 5 16-byte loads in flight per lane).
 // before_x() runs once per warp between its first trip's weight loads and its
 // first token-row loads: a kernel launched with PDL waits there for the kernel

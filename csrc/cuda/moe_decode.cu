@@ -100,15 +100,6 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// A weight row is read once: around L1, not kept.
-__device__ __forceinline__ uint4 LoadStream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float LoadLogit(const void* p, int type, int e) {
   if (type == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[e]);
   if (type == 2) return __half2float(static_cast<const __half*>(p)[e]);
@@ -155,16 +146,6 @@ __device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
   __syncthreads();
 }
 
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void BulkLoad(void* dst, const void* src, unsigned bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SmemAddr(dst)),
-      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
-}
-#endif
 
 // Step 2: columns [c0, c0 + n) of this block's slice, for every slot, into
 // w2s [slot][column][I]. Per slot they are n contiguous rows of w2.
@@ -256,8 +237,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
 #pragma unroll
     for (int c = 0; c < kMaxHChunks; ++c) {
       const int cc = c < hchunks ? c : 0;
-      gv[c] = LoadStream(reinterpret_cast<const uint4*>(g_row) + cc * 32 + lane);
-      uv[c] = LoadStream(reinterpret_cast<const uint4*>(u_row) + cc * 32 + lane);
+      gv[c] = LdgStream(reinterpret_cast<const uint4*>(g_row) + cc * 32 + lane);
+      uv[c] = LdgStream(reinterpret_cast<const uint4*>(u_row) + cc * 32 + lane);
     }
     float g = 0.f, u = 0.f;
 #pragma unroll
