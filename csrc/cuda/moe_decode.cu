@@ -18,7 +18,8 @@
 // Rounding points are the step-by-step path's (h, act and y in the input
 // dtype, f32 sums); the order of every sum is fixed, so the result is the
 // same bits run to run. Where a block's w2 rows do not fit in shared memory
-// it takes them in passes; scripts/fused_decode_bench.cu has the timings.
+// it takes them in passes. Timings and phases: scripts/moe_decode_bench.cu,
+// benchmarks/RESULTS.md (eighteenth session).
 #include <cooperative_groups.h>
 
 #include "cuda/cuda_common.cuh"
@@ -141,11 +142,11 @@ __device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
       for (int e = lane; e < e_count; e += 32) sum += expf(lg[e] - mx);
       sum = WarpSum(sum);
     }
-    if (lane < k) wts[lane] = nan ? __int_as_float(0x7fc00000) : expf(lg[ids[lane]] - mx) / sum * a.scale;
+    if (lane < k)
+      wts[lane] = nan ? __int_as_float(0x7fc00000) : expf(lg[ids[lane]] - mx) / sum * a.scale;
   }
   __syncthreads();
 }
-
 
 // Step 2: columns [c0, c0 + n) of this block's slice, for every slot, into
 // w2s [slot][column][I]. Per slot they are n contiguous rows of w2.
@@ -304,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
           const int col = min(col0 + t * wps, n - 1);  // a clamped column is summed, not stored
           const T* row = w2s + (static_cast<size_t>(j) * pc + col) * I;
 #pragma unroll
-          for (int c = 0; c < KI; ++c) wv[t][c] = *reinterpret_cast<const uint4*>(row + (c * 32 + lane) * 8);
+          for (int c = 0; c < KI; ++c)
+            wv[t][c] = *reinterpret_cast<const uint4*>(row + (c * 32 + lane) * 8);
           s[t] = 0.f;
         }
 #pragma unroll
