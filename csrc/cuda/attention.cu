@@ -293,15 +293,6 @@ __device__ __forceinline__ void StoreSplit(const float* red, const float* wm, co
   }
 }
 
-template <ffi::DataType DT>
-__device__ __forceinline__ void Unpack(const uint4& raw,
-                                       float (&f)[16 / sizeof(typename DevScalar<DT>::T)]) {
-  using T = typename DevScalar<DT>::T;
-  const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int x = 0; x < static_cast<int>(16 / sizeof(T)); ++x) f[x] = DevScalar<DT>::Load(v[x]);
-}
-
 // grid (batch * hkv * head_chunks, num_splits), kDecodeThreads threads,
 // kDecodeSmem bytes of dynamic shared memory. A block takes GC query heads of
 // one GQA group (h0 .. h0 + ng - 1, all reading kv head kvh) over one split of

@@ -33,6 +33,16 @@ template <> struct DevScalar<ffi::DataType::F16> {
   __device__ static __half Store(float v) { return __float2half_rn(v); }
 };
 
+// The elements of a 16-byte vector of DT (4 f32 or 8 bf16/f16) as f32.
+template <ffi::DataType DT>
+__device__ __forceinline__ void Unpack(const uint4& raw,
+                                       float (&f)[16 / sizeof(typename DevScalar<DT>::T)]) {
+  using T = typename DevScalar<DT>::T;
+  const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int x = 0; x < static_cast<int>(16 / sizeof(T)); ++x) f[x] = DevScalar<DT>::Load(v[x]);
+}
+
 // cp.async (sm_80+): 16 bytes global -> shared, through L2 only (cg: the
 // data is used once per block, L1 would only be polluted).
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -280,6 +290,17 @@ inline int DeviceSms() {
     int sms = 0;
     return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? sms
                                                                                             : 0;
+  });
+}
+
+// The current device's opt-in shared memory per block, asked once per
+// device; 0 when the query fails.
+inline int DeviceSmemOptin() {
+  return OncePerDevice([](int dev) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess
+               ? v
+               : 0;
   });
 }
 

@@ -77,18 +77,10 @@ struct DecodeArgs {
 };
 
 template <ffi::DataType DT>
-__device__ __forceinline__ void Unpack8(const uint4& v, float* f) {
-  using T = typename DevScalar<DT>::T;
-  const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-  for (int q = 0; q < 8; ++q) f[q] = DevScalar<DT>::Load(e[q]);
-}
-
-template <ffi::DataType DT>
 __device__ __forceinline__ float Dot8(const uint4& a, const uint4& b) {
   float fa[8], fb[8];
-  Unpack8<DT>(a, fa);
-  Unpack8<DT>(b, fb);
+  Unpack<DT>(a, fa);
+  Unpack<DT>(b, fb);
   float s = 0.f;
 #pragma unroll
   for (int q = 0; q < 8; ++q) s = fmaf(fa[q], fb[q], s);
@@ -314,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
 #pragma unroll
           for (int c = 0; c < KI; ++c) {
             float w[8];
-            Unpack8<DT>(wv[t][c], w);
+            Unpack<DT>(wv[t][c], w);
 #pragma unroll
             for (int q = 0; q < 8; ++q) s[t] = fmaf(w[q], av[c][q], s[t]);
           }
@@ -358,21 +350,11 @@ cudaError_t LaunchDecode(cudaStream_t stream, const DecodeArgs& args, int grid, 
   return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
-// The current device's opt-in shared memory per block, asked once per device.
-int OptinSmem() {
-  return OncePerDevice([](int dev) {
-    int v = 0;
-    return cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess
-               ? v
-               : 0;
-  });
-}
-
 // Sizes the grid (one block per SM) and the shared memory, then launches.
 // args' pointers, logit_type, sizes, renormalize and scale are set; cols and
 // pass_cols are filled in here.
 cudaError_t LaunchMoeDecode(cudaStream_t stream, ffi::DataType dt, DecodeArgs args) {
-  const int sms = DeviceSms(), optin = OptinSmem();
+  const int sms = DeviceSms(), optin = DeviceSmemOptin();
   if (sms <= 0 || optin <= 0) return cudaErrorInvalidDevice;
   const int k = args.topk, inter = args.inter, hidden = args.hidden;
   args.cols = (hidden + sms - 1) / sms;
