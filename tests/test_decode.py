@@ -61,9 +61,10 @@ def test_moe_decode_matches_reference(rng, case, dtype):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("logits_kind", ["ties", "one_nan", "all_nan"])
 def test_moe_decode_ties_and_nan_logits(rng, logits_kind):
-    # Equal logits: the lowest ids win, as in the router. A NaN logit makes
-    # the output NaN (as softmax makes every probability NaN) while the picks
-    # stay valid experts (no read out of bounds).
+    # Equal logits: the lowest ids win, as in the router. A NaN logit is
+    # -inf, as in the router; a row of nothing but NaN gives NaN weights (a
+    # softmax of nothing but -inf) while the picks stay valid experts (no read
+    # out of bounds).
     hidden, inter, experts, k = 256, 256, 8, 3
     x = normal(rng, (1, hidden), jnp.bfloat16)
     w13, w2 = _weights(rng, experts, hidden, inter, jnp.bfloat16)
@@ -76,9 +77,15 @@ def test_moe_decode_ties_and_nan_logits(rng, logits_kind):
         clear = jnp.full((1, experts), -1.0, jnp.float32).at[0, jnp.array([5, 0, 1])].set(
             jnp.array([1.0, 0.0, 0.0]))
         assert_equal(got, ops.moe_decode(x, clear, w13, w2, k), "ties to the lower ids")
+    elif logits_kind == "one_nan":
+        logits = router_logits(rng, 1, experts, jnp.float32).at[0, 2].set(10.0)
+        got = ops.moe_decode(x, logits.at[0, 2].set(jnp.nan), w13, w2, k)
+        assert_equal(got, ops.moe_decode(x, logits.at[0, 2].set(-jnp.inf), w13, w2, k),
+                     "NaN is -inf")
+        assert_close(got, reference.moe_decode(x, logits.at[0, 2].set(jnp.nan), w13, w2, k),
+                     jnp.bfloat16, "NaN vs reference")
     else:
-        logits = router_logits(rng, 1, experts, jnp.float32)
-        logits = logits.at[0, 2].set(jnp.nan) if logits_kind == "one_nan" else logits * jnp.nan
+        logits = router_logits(rng, 1, experts, jnp.float32) * jnp.nan
         got = np.asarray(ops.moe_decode(x, logits, w13, w2, k), np.float32)
         assert got.shape == (1, hidden) and np.all(np.isnan(got))
 

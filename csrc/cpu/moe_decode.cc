@@ -14,8 +14,7 @@ namespace jax_moe {
 namespace {
 
 // Softmax top-k of one row of logits: ids in rank order (larger logit first,
-// ties to the lower id; a NaN counts as -inf there and makes every weight
-// NaN, as in the CUDA kernel), weights renormalised over the picks or divided by
+// ties to the lower id; NaN is -inf, as in the router), weights renormalised over the picks or divided by
 // the sum over all experts, times `scale`.
 template <ffi::DataType LT>
 void DecodeRoute(const void* raw, int64_t experts, int64_t k, bool renormalize, float scale,
@@ -23,10 +22,8 @@ void DecodeRoute(const void* raw, int64_t experts, int64_t k, bool renormalize, 
   using L = HostScalar<LT>;
   const auto* row = static_cast<const typename L::Storage*>(raw);
   std::vector<float> lg(experts);
-  bool nan = false;
   for (int64_t e = 0; e < experts; ++e) {
     const float v = L::Load(row[e]);
-    nan |= std::isnan(v);
     lg[e] = std::isnan(v) ? -INFINITY : v;
   }
   for (int64_t e = 0; e < experts; ++e) {  // rank: the experts ahead of e
@@ -40,8 +37,7 @@ void DecodeRoute(const void* raw, int64_t experts, int64_t k, bool renormalize, 
     for (int64_t j = 0; j < k; ++j) sum += std::exp(lg[ids[j]] - mx);
   else
     for (int64_t e = 0; e < experts; ++e) sum += std::exp(lg[e] - mx);
-  for (int64_t j = 0; j < k; ++j)
-    wts[j] = nan ? std::nanf("") : std::exp(lg[ids[j]] - mx) / sum * scale;
+  for (int64_t j = 0; j < k; ++j) wts[j] = std::exp(lg[ids[j]] - mx) / sum * scale;
 }
 
 template <ffi::DataType DT>

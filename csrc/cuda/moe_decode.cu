@@ -101,18 +101,17 @@ __device__ __forceinline__ float LoadLogit(const void* p, int type, int e) {
 
 // Step 1, all threads: expert e's rank is the number of experts ahead of it
 // (a larger logit, or an equal one with a lower id); the ranks below k are
-// the picks, in order. For the ranks a NaN logit counts as -inf, which keeps
-// them a permutation (every id valid, each slot written once); any NaN makes
-// every weight NaN, as softmax would. Ends with a __syncthreads.
+// the picks, in order. A NaN logit is -inf, as in the router (never
+// preferred); that also keeps the ranks a permutation (every id valid, each
+// slot written once). A row of nothing but -inf gets NaN weights, as softmax
+// gives it. Ends with a __syncthreads.
 __device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
   const int e_count = a.experts, k = a.topk;
-  int nan = 0;
   for (int e = threadIdx.x; e < e_count; e += kThreads) {
     const float v = LoadLogit(a.logits, a.logit_type, e);
-    nan |= isnan(v);
     lg[e] = isnan(v) ? -INFINITY : v;
   }
-  nan = __syncthreads_or(nan);
+  __syncthreads();
   for (int e = threadIdx.x; e < e_count; e += kThreads) {
     const float v = lg[e];
     int rank = 0;
@@ -134,8 +133,7 @@ __device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
       for (int e = lane; e < e_count; e += 32) sum += expf(lg[e] - mx);
       sum = WarpSum(sum);
     }
-    if (lane < k)
-      wts[lane] = nan ? __int_as_float(0x7fc00000) : expf(lg[ids[lane]] - mx) / sum * a.scale;
+    if (lane < k) wts[lane] = expf(lg[ids[lane]] - mx) / sum * a.scale;
   }
   __syncthreads();
 }
