@@ -66,8 +66,8 @@ def _decode_applies(st: _Static, a: dict) -> bool:
             or a["e_score_correction_bias"] is not None or st.activation != "silu"
             or not st.is_gated):
         return False
-    return ops.moe_decode_supported(a["hidden_states"], a["router_logits"], a["w13"], a["w2"],
-                                    st.topk)
+    # moe_forward has checked the arguments; only the kernel's limits remain.
+    return _checks.decode_limits(a["hidden_states"], a["w13"], a["w2"], st.topk) is None
 
 
 def _layer(impl, st: _Static, a: dict):
