@@ -6,8 +6,7 @@
 // of 7), and the phases of two back-to-back calls printed: min / median /
 // max over blocks of globaltimer at start, routed, w13 done, past the grid
 // barrier, w2 rows in, dots done, end (µs from the first block's start).
-// Variants by macro, e.g. -DJAX_MOE_DECODE_DOT_COLS=8. Not part of the
-// build; needs an sm_90 GPU. From the repository root:
+// Not part of the build; needs an sm_90 GPU. From the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -diag-suppress 940,2473 -DJAX_MOE_DECODE_STAMPS \
 //     -I csrc -I $(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
 //     scripts/moe_decode_bench.cu -o /tmp/moe_decode_bench && /tmp/moe_decode_bench

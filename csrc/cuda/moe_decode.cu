@@ -12,9 +12,10 @@
 //      before -- so that they stream WHILE
 //   3. its warps stream w13's gate/up row pairs, one warp a pair, and write
 //      act = round(silu(round(g)) * round(u)) to a global scratch (k, I);
-//   4. after a grid-wide barrier, it reads all of act, dots its w2 rows with
-//      it (y rounded like the w2 GEMM's output) and writes its columns of
-//      out = sum_j w_j * y_j in slot order (the combine).
+//   4. after a grid-wide barrier, each warp reads one slot of act from L2
+//      into registers and dots its w2 rows with it (y rounded like the w2
+//      GEMM's output); the block writes its columns of out = sum_j w_j * y_j
+//      in slot order (the combine).
 // Rounding points are the step-by-step path's (h, act and y in the input
 // dtype, f32 sums); the order of every sum is fixed, so the result is the
 // same bits run to run. Where a block's w2 rows do not fit in shared memory
@@ -35,10 +36,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxHChunks = static_cast<int>(kDecodeMaxHidden / 256);  // 16 bytes a lane each
-#ifndef JAX_MOE_DECODE_DOT_COLS
-#define JAX_MOE_DECODE_DOT_COLS 4
-#endif
-constexpr int kDotCols = JAX_MOE_DECODE_DOT_COLS;  // w2 columns a warp sums at once
+constexpr int kDotCols = 4;  // w2 columns a warp sums at once (WarpSum4)
 
 // Phase timestamps for scripts/moe_decode_bench.cu (compiled out otherwise):
 // block b writes globaltimer at point i to g_decode_stamps[b * 8 + i].
@@ -101,41 +99,76 @@ __device__ __forceinline__ float LoadLogit(const void* p, int type, int e) {
 
 // Step 1, all threads: expert e's rank is the number of experts ahead of it
 // (a larger logit, or an equal one with a lower id); the ranks below k are
-// the picks, in order. A NaN logit is -inf, as in the router (never
-// preferred); that also keeps the ranks a permutation (every id valid, each
-// slot written once). A row of nothing but -inf gets NaN weights, as softmax
-// gives it. Ends with a __syncthreads.
-__device__ void Route(const DecodeArgs& a, float* lg, int* ids, float* wts) {
+// the picks, in order. `tpe` adjacent threads share an expert's comparisons
+// (4 at 128 experts) so that routing is a short step before the stream. A
+// NaN logit is -inf, as in the router (never preferred); that also keeps the
+// ranks a permutation (every id valid, each slot written once). Ends with a
+// __syncthreads. The weights come later (RouteWeights): the stream needs
+// only the ids.
+__device__ void RouteIds(const DecodeArgs& a, float* lg, int* ids) {
   const int e_count = a.experts, k = a.topk;
   for (int e = threadIdx.x; e < e_count; e += kThreads) {
     const float v = LoadLogit(a.logits, a.logit_type, e);
     lg[e] = isnan(v) ? -INFINITY : v;
   }
+  int tpe = 1;  // a power of two <= 32: the shuffles below stay in a warp
+  while (tpe < 32 && tpe * 2 * e_count <= kThreads) tpe *= 2;
+  const int per = kThreads / tpe, sub = threadIdx.x % tpe;
   __syncthreads();
-  for (int e = threadIdx.x; e < e_count; e += kThreads) {
-    const float v = lg[e];
+  for (int base = 0; base < e_count; base += per) {  // the same trip count in every thread
+    const int e = base + static_cast<int>(threadIdx.x) / tpe;
+    const bool valid = e < e_count;
+    const float v = valid ? lg[e] : 0.f;
     int rank = 0;
 #pragma unroll 8
-    for (int o = 0; o < e_count; ++o) {
+    for (int o = sub; o < e_count; o += tpe) {
       const float w = lg[o];
       rank += (w > v) | ((w == v) & (o < e));
     }
-    if (rank < k) ids[rank] = e;
+    for (int m = 1; m < tpe; m <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, m);
+    if (valid && sub == 0 && rank < k) ids[rank] = e;
   }
   __syncthreads();
-  if (threadIdx.x < 32) {  // warp 0: the weights, sums in a fixed order
-    const int lane = threadIdx.x;
-    const float mx = lg[ids[0]];
-    float sum = 0.f;
-    if (a.renormalize) {
-      for (int j = 0; j < k; ++j) sum += expf(lg[ids[j]] - mx);
-    } else {
-      for (int e = lane; e < e_count; e += 32) sum += expf(lg[e] - mx);
-      sum = WarpSum(sum);
-    }
-    if (lane < k) wts[lane] = expf(lg[ids[lane]] - mx) / sum * a.scale;
+}
+
+// The k weights, by one warp, sums in a fixed order. A row of nothing but
+// -inf gets NaN weights, as softmax gives it.
+__device__ void RouteWeights(const DecodeArgs& a, const float* lg, const int* ids, float* wts) {
+  const int e_count = a.experts, k = a.topk, lane = threadIdx.x % 32;
+  const float mx = lg[ids[0]];
+  float sum = 0.f;
+  if (a.renormalize) {
+    for (int j = 0; j < k; ++j) sum += expf(lg[ids[j]] - mx);
+  } else {
+    for (int e = lane; e < e_count; e += 32) sum += expf(lg[e] - mx);
+    sum = WarpSum(sum);
   }
-  __syncthreads();
+  if (lane < k) wts[lane] = expf(lg[ids[lane]] - mx) / sum * a.scale;
+}
+
+// Warp sums of 4 values at once: 6 shuffles instead of 20. Each exchange
+// keeps half of the values and sends the other half, so a lane's partial
+// sums pair up exactly as in WarpSum (same bits). Value t ends in lane 8 * t.
+__device__ __forceinline__ float WarpSum4(const float (&s)[4], int lane) {
+  const bool hi16 = lane & 16, hi8 = lane & 8;
+  const float a0 = (hi16 ? s[2] : s[0]) + __shfl_xor_sync(0xffffffffu, hi16 ? s[0] : s[2], 16);
+  const float a1 = (hi16 ? s[3] : s[1]) + __shfl_xor_sync(0xffffffffu, hi16 ? s[1] : s[3], 16);
+  float b = (hi8 ? a1 : a0) + __shfl_xor_sync(0xffffffffu, hi8 ? a0 : a1, 8);
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+  return b;
+}
+
+// Warp sums of g and u at once (6 shuffles instead of 10), same bits as two
+// WarpSums; every lane gets both.
+__device__ __forceinline__ void WarpSum2(float& g, float& u, int lane) {
+  const bool hi16 = lane & 16;
+  float b = (hi16 ? u : g) + __shfl_xor_sync(0xffffffffu, hi16 ? g : u, 16);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+  const float other = __shfl_xor_sync(0xffffffffu, b, 16);
+  g = hi16 ? other : b;
+  u = hi16 ? b : other;
 }
 
 // Step 2: columns [c0, c0 + n) of this block's slice, for every slot, into
@@ -177,6 +210,7 @@ __device__ __forceinline__ void WaitW2(uint64_t* bar, int pass) {
 #endif
 }
 
+
 // KI = I / 256: 16-byte chunks of an act row a lane holds.
 template <ffi::DataType DT, int KI>
 __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
@@ -188,11 +222,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
   __shared__ __align__(8) uint64_t bar;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = a.hidden, I = a.inter, k = a.topk, pc = a.pass_cols;
-  // Dynamic shared memory: w2 rows [slot][pass column][I], act [slot][I]
-  // (f32), y [pass column][slot] (f32).
+  // Dynamic shared memory: w2 rows [slot][pass column][I], then y [pass
+  // column][slot] (f32).
   T* w2s = reinterpret_cast<T*>(smem);
-  float* acts = reinterpret_cast<float*>(smem + static_cast<size_t>(k) * pc * I * sizeof(T));
-  float* ys = acts + k * I;
+  float* ys = reinterpret_cast<float*>(smem + static_cast<size_t>(k) * pc * I * sizeof(T));
 
 #if __CUDA_ARCH__ >= 900
   if (threadIdx.x == 0) {
@@ -207,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
   for (int c = 0; c < kMaxHChunks; ++c)
     xv[c] = c < hchunks ? __ldg(static_cast<const uint4*>(a.x) + c * 32 + lane) : uint4{};
   DECODE_STAMP(0);
-  Route(a, lg, ids, wts);
+  RouteIds(a, lg, ids);
   DECODE_STAMP(1);
 
   const int h0 = blockIdx.x * a.cols;
@@ -238,43 +271,36 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
       g += c < hchunks ? dg : 0.f;
       u += c < hchunks ? du : 0.f;
     }
-    g = DevScalar<DT>::Load(DevScalar<DT>::Store(WarpSum(g)));  // h is rounded there too
-    u = DevScalar<DT>::Load(DevScalar<DT>::Store(WarpSum(u)));
+    WarpSum2(g, u, lane);
+    g = DevScalar<DT>::Load(DevScalar<DT>::Store(g));  // h is rounded there too
+    u = DevScalar<DT>::Load(DevScalar<DT>::Store(u));
     if (lane == 0) a.act[p] = DevScalar<DT>::Load(DevScalar<DT>::Store(g / (1.f + expf(-g)) * u));
   }
+
+  if (warp == 0) RouteWeights(a, lg, ids, wts);  // read in the combine, past the barrier
 
   // Step 4. The barrier orders every block's act writes before these reads.
   DECODE_STAMP(2);
   cg::this_grid().sync();
   DECODE_STAMP(3);
   if (ncols == 0) return;
-  {
-    constexpr int kBatch = 4;  // a thread's loads all in flight before its stores
-    const int nvec = pairs / 4;
-    const float4* src = reinterpret_cast<const float4*>(a.act);
-    float4* dst = reinterpret_cast<float4*>(acts);
-    for (int base = threadIdx.x; base < nvec; base += kBatch * kThreads) {
-      float4 buf[kBatch];
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q)
-        if (base + q * kThreads < nvec) buf[q] = __ldcg(src + base + q * kThreads);
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q)
-        if (base + q * kThreads < nvec) dst[base + q * kThreads] = buf[q];
-    }
-  }
-  __syncthreads();
   // Warps split by slot: warp w takes slot j = w / wps (k <= 8, so wps >= 2)
-  // and holds act[j] in registers; shared memory then serves only w2 rows.
+  // and reads act[j] from L2 straight into registers; shared memory then
+  // serves only w2 rows.
   const int wps = kWarps / k, j = warp / wps;
   float av[KI][8];
   if (j < k) {
+    const float4* src = reinterpret_cast<const float4*>(a.act + j * I);
+    float4 lo[KI], hi[KI];
+#pragma unroll
+    for (int c = 0; c < KI; ++c) {  // every load in flight before the first use
+      lo[c] = __ldcg(src + (c * 32 + lane) * 2);
+      hi[c] = __ldcg(src + (c * 32 + lane) * 2 + 1);
+    }
 #pragma unroll
     for (int c = 0; c < KI; ++c) {
-      const float4 lo = *reinterpret_cast<const float4*>(acts + j * I + (c * 32 + lane) * 8);
-      const float4 hi = *reinterpret_cast<const float4*>(acts + j * I + (c * 32 + lane) * 8 + 4);
-      av[c][0] = lo.x, av[c][1] = lo.y, av[c][2] = lo.z, av[c][3] = lo.w;
-      av[c][4] = hi.x, av[c][5] = hi.y, av[c][6] = hi.z, av[c][7] = hi.w;
+      av[c][0] = lo[c].x, av[c][1] = lo[c].y, av[c][2] = lo[c].z, av[c][3] = lo[c].w;
+      av[c][4] = hi[c].x, av[c][5] = hi[c].y, av[c][6] = hi[c].z, av[c][7] = hi[c].w;
     }
   }
   for (int pass = 0, c0 = 0; c0 < ncols; ++pass, c0 += pc) {
@@ -309,12 +335,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
             for (int q = 0; q < 8; ++q) s[t] = fmaf(w[q], av[c][q], s[t]);
           }
         }
-#pragma unroll
-        for (int t = 0; t < kDotCols; ++t) {
-          const float v = WarpSum(s[t]);
-          const int col = col0 + t * wps;
-          if (lane == 0 && col < n) ys[col * k + j] = DevScalar<DT>::Load(DevScalar<DT>::Store(v));
-        }
+        const float v = WarpSum4(s, lane);  // column col0 + t * wps in lane 8 * t
+        const int col = col0 + (lane / 8) * wps;
+        if (lane % 8 == 0 && col < n) ys[col * k + j] = DevScalar<DT>::Load(DevScalar<DT>::Store(v));
       }
     }
     DECODE_STAMP(5);
@@ -357,13 +380,12 @@ cudaError_t LaunchMoeDecode(cudaStream_t stream, ffi::DataType dt, DecodeArgs ar
   const int k = args.topk, inter = args.inter, hidden = args.hidden;
   args.cols = (hidden + sms - 1) / sms;
   const int grid = (hidden + args.cols - 1) / args.cols;
-  // Columns of w2 rows a pass holds: what fits beside act and y.
+  // Columns of w2 rows a pass holds: what fits beside y.
   const int elt = 2;  // bf16 / f16
   const int budget_all = optin - kStaticSmem;
-  const int budget = budget_all - k * inter * 4;
-  args.pass_cols = std::min(args.cols, budget / (k * (inter * elt + 4)));
+  args.pass_cols = std::min(args.cols, budget_all / (k * (inter * elt + 4)));
   if (args.pass_cols < 1) return cudaErrorInvalidConfiguration;
-  const int smem = k * args.pass_cols * inter * elt + k * inter * 4 + args.pass_cols * k * 4;
+  const int smem = k * args.pass_cols * inter * elt + args.pass_cols * k * 4;
   auto launch = [&]<ffi::DataType DT>() -> cudaError_t {
     switch (inter / 256) {
       case 1: return LaunchDecode<DT, 1>(stream, args, grid, smem, budget_all);
