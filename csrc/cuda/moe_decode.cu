@@ -210,7 +210,6 @@ __device__ __forceinline__ void WaitW2(uint64_t* bar, int pass) {
 #endif
 }
 
-
 // KI = I / 256: 16-byte chunks of an act row a lane holds.
 template <ffi::DataType DT, int KI>
 __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
