@@ -284,25 +284,22 @@ int OncePerDevice(Query&& query) {
   return v > 0 ? v : 0;
 }
 
-// The current device's SM count, asked once per device; 0 when the query fails.
-inline int DeviceSms() {
+// Device attribute `kAttr` of the current device, asked once per device; 0
+// when the query fails. (Each attribute is its own instantiation, so its own
+// cache in OncePerDevice.)
+template <cudaDeviceAttr kAttr>
+int DeviceAttribute() {
   return OncePerDevice([](int dev) {
-    int sms = 0;
-    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? sms
-                                                                                            : 0;
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, kAttr, dev) == cudaSuccess ? v : 0;
   });
 }
 
-// The current device's opt-in shared memory per block, asked once per
-// device; 0 when the query fails.
-inline int DeviceSmemOptin() {
-  return OncePerDevice([](int dev) {
-    int v = 0;
-    return cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess
-               ? v
-               : 0;
-  });
-}
+// The current device's SM count, opt-in shared memory per block and compute
+// capability major version.
+inline int DeviceSms() { return DeviceAttribute<cudaDevAttrMultiProcessorCount>(); }
+inline int DeviceSmemOptin() { return DeviceAttribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
+inline int DeviceMajor() { return DeviceAttribute<cudaDevAttrComputeCapabilityMajor>(); }
 
 // How many blocks of `Kernel` (`threads` threads, `dynamic_smem` bytes of
 // dynamic shared memory; a kernel passes the same values at every call) the
@@ -316,17 +313,6 @@ int ResidentBlocks(int threads, int dynamic_smem = 0) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, dynamic_smem) ==
         cudaSuccess;
     return ok ? per_sm * DeviceSms() : 0;
-  });
-}
-
-// The current device's compute capability major version, asked once per
-// device; 0 when the query fails.
-inline int DeviceMajor() {
-  return OncePerDevice([](int dev) {
-    int major = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess
-               ? major
-               : 0;
   });
 }
 
