@@ -14,8 +14,8 @@ namespace jax_moe {
 namespace {
 
 // Softmax top-k of one row of logits: ids in rank order (larger logit first,
-// ties to the lower id; NaN is -inf, as in the router), weights renormalised over the picks or divided by
-// the sum over all experts, times `scale`.
+// ties to the lower id; NaN is -inf, as in the router), weights renormalised
+// over the picks or divided by the sum over all experts, times `scale`.
 template <ffi::DataType LT>
 void DecodeRoute(const void* raw, int64_t experts, int64_t k, bool renormalize, float scale,
                  int* ids, float* wts) {

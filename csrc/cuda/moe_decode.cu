@@ -336,7 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
         }
         const float v = WarpSum4(s, lane);  // column col0 + t * wps in lane 8 * t
         const int col = col0 + (lane / 8) * wps;
-        if (lane % 8 == 0 && col < n) ys[col * k + j] = DevScalar<DT>::Load(DevScalar<DT>::Store(v));
+        if (lane % 8 == 0 && col < n)
+          ys[col * k + j] = DevScalar<DT>::Load(DevScalar<DT>::Store(v));
       }
     }
     DECODE_STAMP(5);
