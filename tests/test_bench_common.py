@@ -80,7 +80,7 @@ def test_after_keeps_every_call_routing(bench_common, dependent):
     with jax.default_device(jax.devices("cpu")[0]):
         hlo = jax.jit(run).lower(x, lg, w13, w2).compile().as_text()
         out = jax.jit(run)(x, lg, w13, w2)
-    routers = hlo.count('custom_call_target="jax_moe_topk_softmax"')
+    routers = hlo.count('custom_call_target="jax_moe_route"')
     assert routers == (calls if dependent else draws)
     h = x
     for i in range(calls):  # after() does not change the values

@@ -26,8 +26,8 @@ ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
 def test_every_target_registered_for_every_built_platform():
     from jax_moe._ffi import HAS_CUDA, _ext
     regs = _ext.registrations()
-    want = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expand",
-            "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_gated_act", "jax_moe_combine",
+    want = {"jax_moe_route", "jax_moe_token_index", "jax_moe_expand",
+            "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_activation", "jax_moe_combine",
             "jax_moe_moe_layer", "jax_moe_moe_decode", "jax_moe_write_kv", "jax_moe_paged_decode", "jax_moe_fill_rows"}
     assert set(regs) == ({"cpu", "CUDA"} if HAS_CUDA else {"cpu"})
     for platform, targets in regs.items():
@@ -1092,12 +1092,12 @@ def test_zero_tokens(name, impl):
 # ------------------------------------------------------- one case per op, reused
 
 TARGETS = {
-    "topk_softmax": "jax_moe_topk_softmax",
+    "topk_softmax": "jax_moe_route",
     "token_index": "jax_moe_token_index",
     "expand": "jax_moe_expand",
     "group_gemm": "jax_moe_group_gemm",
     "expert_mlp": "jax_moe_expert_mlp",
-    "gated_act": "jax_moe_gated_act",
+    "gated_act": "jax_moe_activation",
     "combine": "jax_moe_combine",
     "moe_layer": "jax_moe_moe_layer",
 }

@@ -175,8 +175,8 @@ def test_jit_traces_once_per_shape(rng):
 
 # Steps 1-7 in one call (ops.moe_layer) at decode-sized tiles.
 FFI_TARGETS = {"jax_moe_moe_layer"}
-SEPARATE_STEPS = {"jax_moe_topk_softmax", "jax_moe_token_index", "jax_moe_expand",
-                  "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_gated_act",
+SEPARATE_STEPS = {"jax_moe_route", "jax_moe_token_index", "jax_moe_expand",
+                  "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_activation",
                   "jax_moe_combine"}
 
 

@@ -73,7 +73,7 @@ def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormaliz
     # the same batch dims (an unbatched bias is broadcast): one bias row per
     # batch element.
     call = jax.ffi.ffi_call(
-        "jax_moe_topk_softmax",
+        "jax_moe_route",
         (_sds((tokens, k), jnp.float32), _sds((tokens, k), jnp.int32)),
         vmap_method="broadcast_all",
     )
@@ -210,7 +210,7 @@ def _activation_call(h, name: str, gated: bool):
     code = _checks.activation_args(h, name, gated)
     width = h.shape[-1] // 2 if gated else h.shape[-1]
     call = jax.ffi.ffi_call(
-        "jax_moe_gated_act", _sds(h.shape[:-1] + (width,), h.dtype),
+        "jax_moe_activation", _sds(h.shape[:-1] + (width,), h.dtype),
         vmap_method="broadcast_all")
     return call(h, activation=np.int64(code), gated=bool(gated))
 

@@ -1,0 +1,136 @@
+// Shape/dtype checks and constants shared by the CPU and CUDA attention
+// handlers (csrc/cpu/attention.cc, csrc/cuda/attention.cu), so that both
+// platforms reject exactly the same buffers. Python (jax_moe/attention.py)
+// validates first, with messages naming the argument; these checks only keep a
+// kernel from indexing past what it was given.
+#pragma once
+
+#include "ffi/ffi_common.h"
+
+namespace jax_moe {
+
+// Tokens per split of the decode kernel (flash-decoding): the call's
+// split_tokens attribute, a multiple of kDecodeSplitUnit (the CUDA kernel's 4
+// warps x 16-token tiles) and at most kDecodeMaxSplitTokens (its page slots
+// are staged in shared memory). Python picks it and sizes the scratch outputs
+// (module attributes DECODE_SPLIT_UNIT, DECODE_MAX_SPLIT_TOKENS).
+constexpr int64_t kDecodeSplitUnit = 64;
+constexpr int64_t kDecodeMaxSplitTokens = 2048;
+
+inline int64_t DecodeNumSplits(int64_t max_tokens, int64_t split_tokens) {
+  int64_t s = (max_tokens + split_tokens - 1) / split_tokens;
+  return s < 1 ? 1 : s;
+}
+
+struct WriteKvDims {
+  int64_t num_pages, page_size, row_elems, n, num_slots;  // row = Hkv * D elements
+};
+
+inline ffi::Error CheckWriteKv(const ffi::AnyBuffer& k_pages, const ffi::AnyBuffer& v_pages,
+                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                               const ffi::Buffer<ffi::S32>& slots, const ffi::AnyBuffer& k_out,
+                               const ffi::AnyBuffer& v_out, WriteKvDims* d) {
+  auto kp = k_pages.dimensions();
+  auto kd = k.dimensions();
+  if (kp.size() != 4 || kd.size() != 3)
+    return InvalidArg("write_kv: k_pages must be (P, page_size, Hkv, D) and k (N, Hkv, D)");
+  d->num_pages = kp[0];
+  d->page_size = kp[1];
+  d->row_elems = kp[2] * kp[3];
+  d->n = kd[0];
+  d->num_slots = d->num_pages * d->page_size;
+  if (kd[1] != kp[2] || kd[2] != kp[3]) return InvalidArg("write_kv: k must be (N, Hkv, D) of k_pages");
+  if (v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count() ||
+      v.element_count() != k.element_count())
+    return InvalidArg("write_kv: v_pages / v must have the shapes of k_pages / k");
+  if (static_cast<int64_t>(slots.element_count()) != d->n)
+    return InvalidArg("write_kv: slot_mapping must have N entries");
+  const auto t = k_pages.element_type();
+  if (!IsFloatType(t) || v_pages.element_type() != t || k.element_type() != t ||
+      v.element_type() != t || k_out.element_type() != t || v_out.element_type() != t)
+    return InvalidArg("write_kv: caches and k, v must share one float dtype");
+  if (k_out.element_count() != k_pages.element_count() ||
+      v_out.element_count() != v_pages.element_count())
+    return InvalidArg("write_kv: outputs must have the shapes of the caches");
+  return ffi::Error::Success();
+}
+
+struct DecodeDims {
+  int64_t batch, hq, hkv, group, head_dim, num_pages, page_size, max_pages, max_tokens,
+      split_tokens, num_splits;
+};
+
+inline ffi::Error CheckDecode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
+                              const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
+                              const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
+                              const ffi::Buffer<ffi::F32>& part_out,
+                              const ffi::Buffer<ffi::F32>& part_stats, int64_t split_tokens,
+                              DecodeDims* d) {
+  auto qd = q.dimensions();
+  auto kp = k_pages.dimensions();
+  auto pt = page_table.dimensions();
+  if (qd.size() != 3 || kp.size() != 4 || pt.size() != 2)
+    return InvalidArg("paged_decode: q must be (B, Hq, D), k_pages (P, page_size, Hkv, D), "
+                      "page_table (B, max_pages)");
+  d->batch = qd[0];
+  d->hq = qd[1];
+  d->head_dim = qd[2];
+  d->num_pages = kp[0];
+  d->page_size = kp[1];
+  d->hkv = kp[2];
+  d->max_pages = pt[1];
+  d->max_tokens = d->max_pages * d->page_size;
+  if (split_tokens < kDecodeSplitUnit || split_tokens > kDecodeMaxSplitTokens ||
+      split_tokens % kDecodeSplitUnit != 0)
+    return InvalidArg("paged_decode: split_tokens must be a multiple of 64 in [64, 2048]");
+  d->split_tokens = split_tokens;
+  d->num_splits = DecodeNumSplits(d->max_tokens, split_tokens);
+  if (kp[3] != d->head_dim) return InvalidArg("paged_decode: head dims of q and k_pages differ");
+  if (d->head_dim != 64 && d->head_dim != 128 && d->head_dim != 256)
+    return InvalidArg("paged_decode: head dim must be 64, 128 or 256");
+  if (d->hkv < 1 || d->hq % d->hkv != 0)
+    return InvalidArg("paged_decode: query heads must be a multiple of kv heads");
+  d->group = d->hq / d->hkv;
+  if (d->page_size < 1) return InvalidArg("paged_decode: page_size must be >= 1");
+  if (v_pages.element_count() != k_pages.element_count() || v_pages.dimensions().size() != 4)
+    return InvalidArg("paged_decode: v_pages must have the shape of k_pages");
+  if (pt[0] != d->batch || static_cast<int64_t>(lengths.element_count()) != d->batch)
+    return InvalidArg("paged_decode: page_table and lengths must have B rows");
+  const auto t = q.element_type();
+  if (!IsFloatType(t) || k_pages.element_type() != t || v_pages.element_type() != t ||
+      out.element_type() != t)
+    return InvalidArg("paged_decode: q, caches and output must share one float dtype");
+  if (out.element_count() != q.element_count())
+    return InvalidArg("paged_decode: output must be (B, Hq, D)");
+  if (static_cast<int64_t>(part_out.element_count()) !=
+          d->batch * d->hq * d->num_splits * d->head_dim ||
+      static_cast<int64_t>(part_stats.element_count()) != d->batch * d->hq * d->num_splits * 2)
+    return InvalidArg("paged_decode: scratch outputs have the wrong size");
+  return ffi::Error::Success();
+}
+
+// fill_rows: x (N, ...) of a float dtype, ctrl (2,) int32, out like x.
+inline ffi::Error CheckFillRows(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& ctrl,
+                                const ffi::AnyBuffer& out, int64_t* rows, int64_t* row_bytes) {
+  auto xd = x.dimensions();
+  if (xd.size() < 1) return InvalidArg("fill_rows: x must have a leading row axis");
+  if (!IsFloatType(x.element_type()) || out.element_type() != x.element_type() ||
+      out.element_count() != x.element_count())
+    return InvalidArg("fill_rows: x and the output must be one float array");
+  if (ctrl.element_count() != 2) return InvalidArg("fill_rows: ctrl must be (start, poison)");
+  *rows = xd[0];
+  *row_bytes = *rows == 0 ? 0
+                          : static_cast<int64_t>(x.size_bytes()) / *rows;
+  return ffi::Error::Success();
+}
+
+// The bit pattern of a quiet NaN of a float dtype (2 or 4 bytes).
+inline uint32_t NanBits(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return 0x7FC0u;
+    case ffi::DataType::F16: return 0x7E00u;
+    default: return 0x7FC00000u;
+  }
+}
+
+}  // namespace jax_moe

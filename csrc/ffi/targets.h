@@ -1,0 +1,241 @@
+// Handler symbols defined in csrc/cpu/*.cc and csrc/cuda/*.cu, registered by module.cc.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_moe {
+
+// Every FFI target once: X(python target name, handler stem). Each op family
+// defines k<stem>Cpu in csrc/cpu/ and k<stem>Cuda in csrc/cuda/; module.cc
+// registers both from this list.
+#define JAX_MOE_TARGETS(X)                 \
+  X("jax_moe_route", TopkSoftmax)          \
+  X("jax_moe_token_index", TokenIndex)     \
+  X("jax_moe_expand", Expand)              \
+  X("jax_moe_group_gemm", GroupGemm)       \
+  X("jax_moe_expert_mlp", ExpertMlp)       \
+  X("jax_moe_moe_layer", MoeLayer)         \
+  X("jax_moe_moe_decode", MoeDecode)       \
+  X("jax_moe_activation", GatedAct)        \
+  X("jax_moe_combine", Combine)            \
+  X("jax_moe_write_kv", WriteKv)           \
+  X("jax_moe_paged_decode", PagedDecode)   \
+  X("jax_moe_fill_rows", FillRows)
+
+#define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
+JAX_MOE_TARGETS(JAX_MOE_DECLARE_CPU)
+#undef JAX_MOE_DECLARE_CPU
+
+#ifdef JAX_MOE_WITH_CUDA
+#define JAX_MOE_DECLARE_CUDA(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cuda);
+JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
+#undef JAX_MOE_DECLARE_CUDA
+#endif
+
+// Each target's arguments, attributes and results after the platform's
+// context (`bound`: ffi::Ffi::Bind(), with .Ctx<...>() where the handler takes
+// one): one list for the CPU and the CUDA handler, which must match the
+// Python side's ffi_call.
+
+// The router's attributes (topk_softmax, moe_layer).
+template <typename Bound>
+auto RouteAttrs(Bound bound) {
+  return std::move(bound)
+      .template Attr<bool>("renormalize")
+      .template Attr<int64_t>("scoring")
+      .template Attr<int64_t>("num_expert_group")
+      .template Attr<int64_t>("topk_group")
+      .template Attr<bool>("has_bias")
+      .template Attr<float>("routed_scaling_factor");
+}
+
+// topk_softmax (ops.topk_softmax)
+template <typename Bound>
+auto TopkSoftmaxSignature(Bound bound) {
+  return RouteAttrs(std::move(bound)
+                        .template Arg<xla::ffi::AnyBuffer>()  // router_logits
+                        .template Arg<xla::ffi::Buffer<xla::ffi::F32>>())  // bias
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>();  // ids
+}
+
+// token_index (ops.moe_compute_token_index)
+template <typename Bound>
+auto TokenIndexSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_ids
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("start_expert")
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // src_to_dst
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>();  // scratch (CUDA)
+}
+
+// expand (ops.moe_expand)
+template <typename Bound>
+auto ExpandSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src
+      .template Attr<int64_t>("topk")
+      .template Ret<xla::ffi::AnyBuffer>();  // expanded rows
+}
+
+// group_gemm (ops.group_gemm, group_gemm_gather)
+template <typename Bound>
+auto GroupGemmSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x
+      .template Arg<xla::ffi::AnyBuffer>()  // w
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src of the gather, or empty
+      .template Attr<bool>("gather")
+      .template Attr<int64_t>("topk")
+      .template Attr<int64_t>("tile_m")
+      .template Ret<xla::ffi::AnyBuffer>()  // out
+      .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
+}
+
+// gated_act (ops.gated_activation, ops.activation)
+template <typename Bound>
+auto GatedActSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // h
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Ret<xla::ffi::AnyBuffer>();  // out
+}
+
+// combine (ops.moe_combine)
+template <typename Bound>
+auto CombineSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // y
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // topk_weights
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src_to_dst
+      .template Ret<xla::ffi::AnyBuffer>();  // out
+}
+
+// write_kv (attention.write_kv; the results alias k_pages and v_pages)
+template <typename Bound>
+auto WriteKvSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // k_pages
+      .template Arg<xla::ffi::AnyBuffer>()  // v_pages
+      .template Arg<xla::ffi::AnyBuffer>()  // k
+      .template Arg<xla::ffi::AnyBuffer>()  // v
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // slot_mapping
+      .template Ret<xla::ffi::AnyBuffer>()  // k_pages
+      .template Ret<xla::ffi::AnyBuffer>();  // v_pages
+}
+
+// paged_decode (attention.paged_decode_attention)
+template <typename Bound>
+auto PagedDecodeSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // q
+      .template Arg<xla::ffi::AnyBuffer>()  // k_pages
+      .template Arg<xla::ffi::AnyBuffer>()  // v_pages
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lengths
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("split_tokens")
+      .template Ret<xla::ffi::AnyBuffer>()  // out
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scratch: per-split partial outputs
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: per-split (max, sum)
+}
+
+// fill_rows (attention's packed prefill; the result aliases x)
+template <typename Bound>
+auto FillRowsSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ctrl
+      .template Ret<xla::ffi::AnyBuffer>();  // x
+}
+
+// expert_mlp (ops.expert_mlp)
+template <typename Bound>
+auto ExpertMlpSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()   // x
+      .template Arg<xla::ffi::AnyBuffer>()   // w13
+      .template Arg<xla::ffi::AnyBuffer>()   // w2
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src
+      .template Attr<int64_t>("topk")
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Attr<int64_t>("tile_m1")
+      .template Attr<int64_t>("tile_m2")
+      .template Ret<xla::ffi::AnyBuffer>()   // out
+      .template Ret<xla::ffi::AnyBuffer>()   // h (scratch)
+      .template Ret<xla::ffi::AnyBuffer>();  // a (scratch)
+}
+
+// moe_layer (ops.moe_layer): route, token index, expert_mlp and combine in one call
+template <typename Bound>
+auto MoeLayerSignature(Bound bound) {
+  return RouteAttrs(std::move(bound)
+                        .template Arg<xla::ffi::AnyBuffer>()  // hidden_states
+                        .template Arg<xla::ffi::AnyBuffer>()  // router_logits
+                        .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias (or zeros)
+                        .template Arg<xla::ffi::AnyBuffer>()  // w13
+                        .template Arg<xla::ffi::AnyBuffer>())  // w2
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Attr<int64_t>("tile_m1")
+      .template Attr<int64_t>("tile_m2")
+      .template Ret<xla::ffi::AnyBuffer>()   // out (T, H)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scratch: topk weights
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: topk ids
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: src_to_dst
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: dst_to_src
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: expert_sizes
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: token index (CUDA)
+      .template Ret<xla::ffi::AnyBuffer>()   // scratch: expert outputs y
+      .template Ret<xla::ffi::AnyBuffer>()   // scratch: h
+      .template Ret<xla::ffi::AnyBuffer>();  // scratch: a
+}
+
+// moe_decode (ops.moe_decode): the routed layer for one token in one call
+template <typename Bound>
+auto MoeDecodeSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // hidden_states (1, H)
+      .template Arg<xla::ffi::AnyBuffer>()  // router_logits (1, E)
+      .template Arg<xla::ffi::AnyBuffer>()  // w13 (E, 2*I, H)
+      .template Arg<xla::ffi::AnyBuffer>()  // w2 (E, H, I)
+      .template Attr<int64_t>("topk")
+      .template Attr<bool>("renormalize")
+      .template Attr<float>("routed_scaling_factor")
+      .template Ret<xla::ffi::AnyBuffer>()  // out (1, H)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: act (topk, I)
+}
+
+#ifdef JAX_MOE_WITH_SM90
+// Bytes of the scratch output that group_gemm needs for the sm90 path
+// (tile_m = 256; csrc/cuda/group_gemm_sm90.cu): group arrays, the CUTLASS
+// workspace for up to 144 SMs and, with a gather, the expanded rows (m x k
+// 16-bit elements). A pure function of its arguments: no device query.
+int64_t GroupGemmSm90ScratchBytes(int64_t m, int64_t k, int64_t groups, bool gather);
+#endif
+
+#ifdef JAX_MOE_WITH_CUDA
+// The hardware descriptor (csrc/cuda/device_info.cu).
+struct DeviceInfo {
+  std::string name;
+  int major = 0, minor = 0, sm_count = 0;
+  int64_t smem_per_block_optin = 0, smem_per_sm = 0, l2_bytes = 0, global_mem_bytes = 0;
+  int memory_bus_bits = 0, memory_clock_khz = 0;
+};
+// Fills `info` for device `ordinal`; returns "" or the CUDA error's text.
+std::string QueryDevice(int ordinal, DeviceInfo* info);
+#endif
+
+}  // namespace jax_moe

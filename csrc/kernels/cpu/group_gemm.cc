@@ -1,0 +1,135 @@
+// Steps 4 and 6 on the CPU: out[rows of group e] = x[rows of e] @ w[e]^T,
+// f32 accumulation. Rows past sum(expert_sizes) are zero. With `gather`, row r
+// of the input is x[rows[r] / topk] (zero when out of range), as in step 3.
+// tile_m is a CUDA tuning knob: checked, otherwise unused here, and so is the
+// scratch output (the CUDA sm90 path's workspace).
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu/act_math.h"
+#include "kernels/cpu/parallel_for.h"
+#include "ffi/ffi_common.h"
+#include "ffi/layer_steps.h"
+#include "ffi/targets.h"
+#include "ffi/shape_checks.h"
+
+namespace jax_moe {
+namespace {
+
+// Eight independent partial sums so the compiler vectorises the dot product
+// without reassociating (no -ffast-math needed).
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+         ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+// Columns of one expert per work item: their weight rows (converted to f32
+// once per item, 32 x K floats) stay in cache while every row of the expert
+// is multiplied by them.
+constexpr int64_t kItemCols = 32;
+// Below this many multiply-adds the call runs on the calling thread alone.
+constexpr int64_t kParallelMacs = int64_t{1} << 22;
+
+template <DType DT>
+void GroupGemm(ffi::ThreadPool& pool, const void* x_raw, const void* w_raw,
+               const int32_t* sizes, const GemmDims& d, const int32_t* rows, int64_t topk,
+               void* out_raw) {
+  const int64_t m = d.m, groups = d.groups, n = d.n, k = d.k;
+  using S = HostScalar<DT>;
+  const auto* x = static_cast<const typename S::Storage*>(x_raw);
+  const auto* w = static_cast<const typename S::Storage*>(w_raw);
+  auto* out = static_cast<typename S::Storage*>(out_raw);
+  // Work items: (expert, first row, rows, first column).
+  struct Item {
+    int64_t expert, row0, count, col0;
+  };
+  std::vector<Item> items;
+  int64_t row = 0;
+  for (int64_t e = 0; e < groups && row < m; ++e) {
+    // Clamp: negative or oversized counts never index past the buffers.
+    const int64_t count = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - row);
+    if (count == 0) continue;
+    for (int64_t c0 = 0; c0 < n; c0 += kItemCols) items.push_back({e, row, count, c0});
+    row += count;
+  }
+  // Each output is one Dot over all of K, whichever thread computes it: the
+  // same bits for any number of threads.
+  auto run = [&](int64_t i) {
+    const Item& it = items[i];
+    const int64_t cols = std::min(kItemCols, n - it.col0);
+    thread_local std::vector<float> wf, xf;  // reused across items and calls
+    wf.resize(cols * k);
+    xf.resize(k);
+    const auto* wsrc = w + (it.expert * n + it.col0) * k;
+    for (int64_t j = 0; j < cols * k; ++j) wf[j] = S::Load(wsrc[j]);
+    for (int64_t r = it.row0; r < it.row0 + it.count; ++r) {
+      const int64_t src = rows != nullptr ? ExpandSourceRow(rows[r], topk, d.x_rows * topk) : r;
+      for (int64_t c = 0; c < k; ++c) xf[c] = src >= 0 ? S::Load(x[src * k + c]) : 0.f;
+      for (int64_t c = 0; c < cols; ++c)
+        out[r * n + it.col0 + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));
+    }
+  };
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (row * n * k < kParallelMacs) {
+    for (int64_t i = 0; i < n_items; ++i) run(i);
+  } else {
+    ParallelFor(PoolOf(pool), n_items, run);
+  }
+  std::fill(out + row * n, out + m * n, S::Store(0.f));
+}
+
+ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
+                        bool gather, int64_t topk, int64_t tile_m,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*scratch*/) {
+  GemmDims d;
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
+      err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
+    GroupGemm<DT>(pool, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
+                  gather ? rows.typed_data() : nullptr, topk, out->untyped_data());
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+// Steps 3-6 in one call: the three ops of the CUDA handler, one after the
+// other (the same bits as group_gemm, the activation and group_gemm).
+ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                        ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> expert_sizes,
+                        ffi::Buffer<ffi::S32> rows, int64_t topk, int64_t activation, bool gated,
+                        int64_t tile_m1, int64_t tile_m2, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a) {
+  GemmDims d1, d2;
+  if (auto err = CheckExpertMlp(x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
+                                tile_m2, *out, *h, *a, &d1, &d2);
+      err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
+    using S = HostScalar<DT>;
+    const int32_t* sizes = expert_sizes.typed_data();
+    GroupGemm<DT>(pool, x.untyped_data(), w13.untyped_data(), sizes, d1, rows.typed_data(), topk,
+                  h->untyped_data());
+    ActRows<S>(static_cast<const typename S::Storage*>(h->untyped_data()), d1.m, d1.n, d2.k,
+               activation, gated, static_cast<typename S::Storage*>(a->untyped_data()));
+    GroupGemm<DT>(pool, a->untyped_data(), w2.untyped_data(), sizes, d2, nullptr, 1,
+                  out->untyped_data());
+    return ffi::Error::Success();
+  });
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
+                              ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
+                              GroupGemmSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+}  // namespace jax_moe
