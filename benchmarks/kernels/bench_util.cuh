@@ -1,5 +1,5 @@
-// Shared by the standalone kernel benches in scripts/ (nvcc, GPU): a CUDA
-// error check that exits, and event timing of a launch sequence.
+// Shared by the kernel micro-benchmarks in benchmarks/kernels (CUDA, GPU):
+// a CUDA error check that exits, and event timing of a launch sequence.
 #pragma once
 
 #include <cuda_runtime.h>
