@@ -1,30 +1,14 @@
-// Shape/dtype checks and constants shared by the CPU and CUDA attention
-// handlers (csrc/cpu/attention.cc, csrc/cuda/attention.cu), so that both
-// platforms reject exactly the same buffers. Python (jax_moe/attention.py)
-// validates first, with messages naming the argument; these checks only keep a
-// kernel from indexing past what it was given.
+// Shape/dtype checks shared by the CPU and CUDA attention handlers
+// (ffi/attention.cc), so that both platforms reject exactly the same buffers.
+// Python (jax_moe/attention.py) validates first, with messages naming the
+// argument; these checks only keep a kernel from indexing past what it was
+// given. The limits and dims structs are the kernels' (kernels/common/attention.h).
 #pragma once
 
 #include "ffi/ffi_common.h"
+#include "kernels/common/attention.h"
 
 namespace jax_moe {
-
-// Tokens per split of the decode kernel (flash-decoding): the call's
-// split_tokens attribute, a multiple of kDecodeSplitUnit (the CUDA kernel's 4
-// warps x 16-token tiles) and at most kDecodeMaxSplitTokens (its page slots
-// are staged in shared memory). Python picks it and sizes the scratch outputs
-// (module attributes DECODE_SPLIT_UNIT, DECODE_MAX_SPLIT_TOKENS).
-constexpr int64_t kDecodeSplitUnit = 64;
-constexpr int64_t kDecodeMaxSplitTokens = 2048;
-
-inline int64_t DecodeNumSplits(int64_t max_tokens, int64_t split_tokens) {
-  int64_t s = (max_tokens + split_tokens - 1) / split_tokens;
-  return s < 1 ? 1 : s;
-}
-
-struct WriteKvDims {
-  int64_t num_pages, page_size, row_elems, n, num_slots;  // row = Hkv * D elements
-};
 
 inline ffi::Error CheckWriteKv(const ffi::AnyBuffer& k_pages, const ffi::AnyBuffer& v_pages,
                                const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -39,7 +23,8 @@ inline ffi::Error CheckWriteKv(const ffi::AnyBuffer& k_pages, const ffi::AnyBuff
   d->row_elems = kp[2] * kp[3];
   d->n = kd[0];
   d->num_slots = d->num_pages * d->page_size;
-  if (kd[1] != kp[2] || kd[2] != kp[3]) return InvalidArg("write_kv: k must be (N, Hkv, D) of k_pages");
+  if (kd[1] != kp[2] || kd[2] != kp[3])
+    return InvalidArg("write_kv: k must be (N, Hkv, D) of k_pages");
   if (v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count() ||
       v.element_count() != k.element_count())
     return InvalidArg("write_kv: v_pages / v must have the shapes of k_pages / k");
@@ -55,13 +40,9 @@ inline ffi::Error CheckWriteKv(const ffi::AnyBuffer& k_pages, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-struct DecodeDims {
-  int64_t batch, hq, hkv, group, head_dim, num_pages, page_size, max_pages, max_tokens,
-      split_tokens, num_splits;
-};
-
 inline ffi::Error CheckDecode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
-                              const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
+                              const ffi::AnyBuffer& v_pages,
+                              const ffi::Buffer<ffi::S32>& page_table,
                               const ffi::Buffer<ffi::S32>& lengths, const ffi::AnyBuffer& out,
                               const ffi::Buffer<ffi::F32>& part_out,
                               const ffi::Buffer<ffi::F32>& part_stats, int64_t split_tokens,
@@ -122,15 +103,6 @@ inline ffi::Error CheckFillRows(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::
   *row_bytes = *rows == 0 ? 0
                           : static_cast<int64_t>(x.size_bytes()) / *rows;
   return ffi::Error::Success();
-}
-
-// The bit pattern of a quiet NaN of a float dtype (2 or 4 bytes).
-inline uint32_t NanBits(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::BF16: return 0x7FC0u;
-    case ffi::DataType::F16: return 0x7E00u;
-    default: return 0x7FC00000u;
-  }
 }
 
 }  // namespace jax_moe

@@ -46,6 +46,12 @@ static_assert(static_cast<int>(ffi::DataType::F32) == static_cast<int>(DType::F3
               static_cast<int>(ffi::DataType::F16) == static_cast<int>(DType::F16),
               "DType mirrors xla::ffi::DataType");
 
+// Success for a float type (f32, bf16, f16), else the error naming `what`.
+inline ffi::Error CheckFloat(ffi::DataType t, const char* what) {
+  if (IsFloatType(t)) return ffi::Error::Success();
+  return InvalidArg(std::string(what) + ": unsupported dtype (want f32, bf16 or f16)");
+}
+
 // Calls fn.template operator()<DT>() for the float type `t`.
 template <typename Fn>
 inline ffi::Error DispatchFloat(ffi::DataType t, const char* what, Fn&& fn) {
@@ -53,7 +59,7 @@ inline ffi::Error DispatchFloat(ffi::DataType t, const char* what, Fn&& fn) {
     case ffi::DataType::F32: return fn.template operator()<DType::F32>();
     case ffi::DataType::BF16: return fn.template operator()<DType::BF16>();
     case ffi::DataType::F16: return fn.template operator()<DType::F16>();
-    default: return InvalidArg(std::string(what) + ": unsupported dtype (want f32, bf16 or f16)");
+    default: return CheckFloat(t, what);
   }
 }
 

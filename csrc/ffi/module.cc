@@ -2,10 +2,17 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include "ffi/ffi_common.h"
 #include "ffi/targets.h"
-#include "ffi/attention_checks.h"
-#include "ffi/shape_checks.h"
+#include "kernels/common/attention.h"
+#include "kernels/common/moe_decode.h"
+#include "kernels/common/numeric.h"
+
+#ifdef JAX_MOE_WITH_CUDA
+#include "kernels/cuda/device_info.h"
+#endif
+#ifdef JAX_MOE_WITH_SM90
+#include "kernels/cuda/group_gemm/gemm_sm90a.h"
+#endif
 
 namespace nb = nanobind;
 

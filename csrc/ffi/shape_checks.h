@@ -4,6 +4,8 @@
 #pragma once
 
 #include "ffi/ffi_common.h"
+#include "kernels/common/gemm_dims.h"
+#include "kernels/common/moe_decode.h"
 
 namespace jax_moe {
 
@@ -28,7 +30,8 @@ inline ffi::Error CheckRoute(const ffi::AnyBuffer& logits, const ffi::Buffer<ffi
   if (static_cast<int64_t>(weights.element_count()) != rows * k ||
       static_cast<int64_t>(ids.element_count()) != rows * k)
     return InvalidArg("route: output shapes do not match (rows, topk)");
-  if (scoring != 0 && scoring != 1) return InvalidArg("route: scoring must be 0 (softmax) or 1 (sigmoid)");
+  if (scoring != 0 && scoring != 1)
+    return InvalidArg("route: scoring must be 0 (softmax) or 1 (sigmoid)");
   if (num_expert_group < 1 || experts % num_expert_group)
     return InvalidArg("route: num_expert_group must be >= 1 and divide num_experts");
   if (topk_group < 1 || topk_group > num_expert_group)
@@ -38,18 +41,11 @@ inline ffi::Error CheckRoute(const ffi::AnyBuffer& logits, const ffi::Buffer<ffi
   if (LastDim(bias.dimensions()) != experts ||
       (rows > 0 && static_cast<int64_t>(bias.element_count()) != batch * experts))
     return InvalidArg("route: bias must be (..., num_experts) with the batch dims of the logits");
-  return ffi::Error::Success();
+  return CheckFloat(logits.element_type(), "router_logits");
 }
 
-// moe_decode (one token, the whole routed layer in one call): the limits of
-// its CUDA kernel, which both handlers enforce so that both platforms accept
-// the same calls (ops.moe_decode_supported says the same in Python).
-constexpr int64_t kDecodeMaxTopk = 8;        // weights per slot in shared memory
-constexpr int64_t kDecodeMaxExperts = 1024;  // logits in shared memory
-constexpr int64_t kDecodeMaxHidden = 2048;   // x in registers: 8 x 16 bytes a lane
-constexpr int64_t kDecodeMaxInter = 1024;    // act in registers: 4 x 8 floats a lane
-constexpr int64_t kDecodeMultiple = 256;     // H and I: whole 256-column warp strides
-
+// moe_decode: the limits (kDecode*) are its CUDA kernel's, enforced by both
+// handlers so that both platforms accept the same calls.
 struct MoeDecodeDims {
   int64_t experts, hidden, inter, k;
 };
@@ -70,7 +66,8 @@ inline ffi::Error CheckMoeDecode(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   const int64_t experts = ld[1], hidden = xd[1], inter = w2d.size() == 3 ? w2d[2] : 0;
   if (w1[0] != experts || w1[1] != 2 * inter || w1[2] != hidden || w2d[0] != experts ||
       w2d[1] != hidden)
-    return InvalidArg("moe_decode: w13 must be (E, 2*I, H) and w2 (E, H, I) for x (1, H), logits (1, E)");
+    return InvalidArg(
+        "moe_decode: w13 must be (E, 2*I, H) and w2 (E, H, I) for x (1, H), logits (1, E)");
   const ffi::DataType t = x.element_type();
   if (t != ffi::DataType::BF16 && t != ffi::DataType::F16)
     return InvalidArg("moe_decode: x must be bfloat16 or float16");
@@ -90,11 +87,6 @@ inline ffi::Error CheckMoeDecode(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   *d = {experts, hidden, inter, topk};
   return ffi::Error::Success();
 }
-
-struct GemmDims {
-  int64_t m, k, groups, n;
-  int64_t x_rows;  // rows of x (== m without a gather)
-};
 
 // x (M, K), or with `gather` x (T, K) and rows (M,) naming token rows (step 3
 // fused into the GEMM); w (E, N, K); out (M, N).
@@ -154,7 +146,8 @@ inline ffi::Error CheckExpertMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
       h.element_count() != static_cast<size_t>(m * n1) ||
       a.element_count() != static_cast<size_t>(m * inter))
     return InvalidArg("expert_mlp: out must be (M, H), the scratch (M, N) and (M, I)");
-  if (topk < 1 || topk > (int64_t{1} << 20)) return InvalidArg("expert_mlp: topk must be in [1, 2^20]");
+  if (topk < 1 || topk > (int64_t{1} << 20))
+    return InvalidArg("expert_mlp: topk must be in [1, 2^20]");
   if (activation < kSilu || activation > kGeluTanh) return InvalidArg("unknown activation code");
   for (int64_t tm : {tile_m1, tile_m2})
     if (tm != 8 && tm != 16 && tm != 32 && tm != 64 && tm != 128)
@@ -181,7 +174,8 @@ inline ffi::Error CheckTokenIndex(const ffi::Buffer<ffi::S32>& ids, int64_t num_
 inline ffi::Error CheckExpand(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& dst_to_src,
                               int64_t topk, const ffi::AnyBuffer& out) {
   if (topk < 1) return InvalidArg("moe_expand_input: topk must be >= 1");
-  if (!IsFloatType(x.element_type())) return InvalidArg("moe_expand_input: x must be f32, bf16 or f16");
+  if (!IsFloatType(x.element_type()))
+    return InvalidArg("moe_expand_input: x must be f32, bf16 or f16");
   const int64_t rows = dst_to_src.element_count();
   if (out.element_count() != static_cast<size_t>(rows * LastDim(x.dimensions())) ||
       out.element_type() != x.element_type())
@@ -203,7 +197,7 @@ inline ffi::Error CheckCombine(const ffi::AnyBuffer& y, const ffi::Buffer<ffi::F
   if (out.element_count() != static_cast<size_t>(d->tokens * d->hidden) ||
       out.element_type() != y.element_type())
     return InvalidArg("moe_combine: output must be (T, H) of y's dtype");
-  return ffi::Error::Success();
+  return CheckFloat(y.element_type(), "y");
 }
 
 struct ActDims {
@@ -220,7 +214,7 @@ inline ffi::Error CheckActivation(const ffi::AnyBuffer& h, int64_t activation, b
   if (out.element_count() != static_cast<size_t>(d->rows * d->inter) ||
       out.element_type() != h.element_type())
     return InvalidArg("activation: output must be (..., I) of h's dtype");
-  return ffi::Error::Success();
+  return CheckFloat(h.element_type(), "h");
 }
 
 }  // namespace jax_moe

@@ -1,8 +1,8 @@
-// Handler symbols defined in csrc/cpu/*.cc and csrc/cuda/*.cu, registered by module.cc.
+// The FFI targets: their list, the handler symbols (defined in csrc/ffi/
+// <step>.cc, registered by module.cc) and each target's signature.
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -10,17 +10,17 @@
 namespace jax_moe {
 
 // Every FFI target once: X(python target name, handler stem). Each op family
-// defines k<stem>Cpu in csrc/cpu/ and k<stem>Cuda in csrc/cuda/; module.cc
-// registers both from this list.
+// defines k<stem>Cpu and (CUDA builds) k<stem>Cuda in csrc/ffi/<step>.cc;
+// module.cc registers both from this list.
 #define JAX_MOE_TARGETS(X)                 \
-  X("jax_moe_route", TopkSoftmax)          \
+  X("jax_moe_route", Route)                \
   X("jax_moe_token_index", TokenIndex)     \
   X("jax_moe_expand", Expand)              \
   X("jax_moe_group_gemm", GroupGemm)       \
   X("jax_moe_expert_mlp", ExpertMlp)       \
   X("jax_moe_moe_layer", MoeLayer)         \
   X("jax_moe_moe_decode", MoeDecode)       \
-  X("jax_moe_activation", GatedAct)        \
+  X("jax_moe_activation", Activation)      \
   X("jax_moe_combine", Combine)            \
   X("jax_moe_write_kv", WriteKv)           \
   X("jax_moe_paged_decode", PagedDecode)   \
@@ -41,7 +41,7 @@ JAX_MOE_TARGETS(JAX_MOE_DECLARE_CUDA)
 // one): one list for the CPU and the CUDA handler, which must match the
 // Python side's ffi_call.
 
-// The router's attributes (topk_softmax, moe_layer).
+// The router's attributes (route, moe_layer).
 template <typename Bound>
 auto RouteAttrs(Bound bound) {
   return std::move(bound)
@@ -53,9 +53,9 @@ auto RouteAttrs(Bound bound) {
       .template Attr<float>("routed_scaling_factor");
 }
 
-// topk_softmax (ops.topk_softmax)
+// route (ops.route, ops.topk_softmax)
 template <typename Bound>
-auto TopkSoftmaxSignature(Bound bound) {
+auto RouteSignature(Bound bound) {
   return RouteAttrs(std::move(bound)
                         .template Arg<xla::ffi::AnyBuffer>()  // router_logits
                         .template Arg<xla::ffi::Buffer<xla::ffi::F32>>())  // bias
@@ -101,9 +101,9 @@ auto GroupGemmSignature(Bound bound) {
       .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
 }
 
-// gated_act (ops.gated_activation, ops.activation)
+// activation (ops.gated_activation, ops.activation)
 template <typename Bound>
-auto GatedActSignature(Bound bound) {
+auto ActivationSignature(Bound bound) {
   return std::move(bound)
       .template Arg<xla::ffi::AnyBuffer>()  // h
       .template Attr<int64_t>("activation")
@@ -217,25 +217,5 @@ auto MoeDecodeSignature(Bound bound) {
       .template Ret<xla::ffi::AnyBuffer>()  // out (1, H)
       .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: act (topk, I)
 }
-
-#ifdef JAX_MOE_WITH_SM90
-// Bytes of the scratch output that group_gemm needs for the sm90 path
-// (tile_m = 256; csrc/cuda/group_gemm_sm90.cu): group arrays, the CUTLASS
-// workspace for up to 144 SMs and, with a gather, the expanded rows (m x k
-// 16-bit elements). A pure function of its arguments: no device query.
-int64_t GroupGemmSm90ScratchBytes(int64_t m, int64_t k, int64_t groups, bool gather);
-#endif
-
-#ifdef JAX_MOE_WITH_CUDA
-// The hardware descriptor (csrc/cuda/device_info.cu).
-struct DeviceInfo {
-  std::string name;
-  int major = 0, minor = 0, sm_count = 0;
-  int64_t smem_per_block_optin = 0, smem_per_sm = 0, l2_bytes = 0, global_mem_bytes = 0;
-  int memory_bus_bits = 0, memory_clock_khz = 0;
-};
-// Fills `info` for device `ordinal`; returns "" or the CUDA error's text.
-std::string QueryDevice(int ordinal, DeviceInfo* info);
-#endif
 
 }  // namespace jax_moe

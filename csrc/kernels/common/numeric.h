@@ -6,10 +6,14 @@
 #include <cstdint>
 #include <cstring>
 
+// Host-and-device functions; JAX_MOE_INLINE: inlined into every kernel that
+// calls it (as the kernels' own __forceinline__ helpers), plain inline on the host.
 #if defined(__CUDACC__)
 #define JAX_MOE_HOST_DEVICE __host__ __device__
+#define JAX_MOE_INLINE __forceinline__
 #else
 #define JAX_MOE_HOST_DEVICE
+#define JAX_MOE_INLINE inline
 #endif
 
 namespace jax_moe {
@@ -40,6 +44,18 @@ inline int64_t IndexScratchSize(int64_t num_entries, int64_t num_local) {
   return chunks * num_local + 1;
 }
 
+// Calls fn.template operator()<DT>() for a float DType: a kernel's entry
+// point (runtime dtype) into its template. The handlers have checked the
+// dtype; anything else is taken as F32.
+template <typename Fn>
+decltype(auto) WithDType(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::BF16: return fn.template operator()<DType::BF16>();
+    case DType::F16: return fn.template operator()<DType::F16>();
+    default: return fn.template operator()<DType::F32>();
+  }
+}
+
 // ---- host-side 16-bit float conversions (round to nearest even) ----------
 inline float Bf16ToFloat(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -51,7 +67,8 @@ inline float Bf16ToFloat(uint16_t v) {
 inline uint16_t FloatToBf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  if ((bits & 0x7fffffffu) > 0x7f800000u)  // NaN: a quiet one
+    return static_cast<uint16_t>((bits >> 16) | 0x40);
   uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }

@@ -1,12 +1,12 @@
 // The activation functions of step 5 on the CPU, shared by the activation
-// handler (activation.cc) and expert_mlp (group_gemm.cc): one definition, so
-// both give the same bits.
+// kernel (kernels/cpu/activation.cc) and expert_mlp (kernels/cpu/
+// group_gemm.cc): one definition, so both give the same bits.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
-#include "ffi/ffi_common.h"
+#include "kernels/common/numeric.h"
 
 namespace jax_moe {
 

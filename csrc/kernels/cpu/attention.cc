@@ -1,51 +1,18 @@
-// Paged KV cache on the CPU: write_kv (scatter new K/V rows into their slots,
-// in place) and single-token decode attention over the pages of each sequence.
+// Paged KV cache on the CPU: write_kv (scatter new K/V rows into their slots),
+// single-token decode attention over the pages of each sequence, and
+// fill_rows.
+#include "kernels/cpu/attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#include "ffi/attention_checks.h"
-#include "ffi/ffi_common.h"
-#include "ffi/targets.h"
-
 namespace jax_moe {
 namespace {
 
-// The outputs alias the caches (input_output_aliases in Python), so only the
-// rows named by slot_mapping are written; slots outside [0, P*page_size) are
-// skipped (negative = padding). Duplicate slots: the last token wins here
-// (Python rejects them eagerly).
-ffi::Error WriteKvCpu(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k,
-                      ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
-                      ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
-  WriteKvDims d;
-  if (auto err = CheckWriteKv(k_pages, v_pages, k, v, slots, *k_out, *v_out, &d); err.failure())
-    return err;
-  const size_t row_bytes = d.row_elems * ffi::ByteWidth(k.element_type());
-  char* ko = static_cast<char*>(k_out->untyped_data());
-  char* vo = static_cast<char*>(v_out->untyped_data());
-  // Without donation XLA copies the cache into the output first; if it ever
-  // hands us distinct buffers, copy here so the result is still complete.
-  if (ko != k_pages.untyped_data()) std::memcpy(ko, k_pages.untyped_data(), k_pages.size_bytes());
-  if (vo != v_pages.untyped_data()) std::memcpy(vo, v_pages.untyped_data(), v_pages.size_bytes());
-  const char* ks = static_cast<const char*>(k.untyped_data());
-  const char* vs = static_cast<const char*>(v.untyped_data());
-  const int32_t* sl = slots.typed_data();
-  for (int64_t i = 0; i < d.n; ++i) {
-    const int64_t s = sl[i];
-    if (s < 0 || s >= d.num_slots) continue;
-    std::memcpy(ko + s * row_bytes, ks + i * row_bytes, row_bytes);
-    std::memcpy(vo + s * row_bytes, vs + i * row_bytes, row_bytes);
-  }
-  return ffi::Error::Success();
-}
-
-// out[b, h] = softmax(scale * q[b, h] . K[b, :L]) V[b, :L] over the tokens of
-// sequence b, L = clamp(lengths[b], 0, max_pages * page_size); tokens on a page
-// id outside [0, P) are skipped (masked out). No valid token: the output is 0.
-// Scores, softmax and accumulation in f32, in token order.
+// PagedDecode for one dtype.
 template <DType DT>
 void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const int32_t* table,
                 const int32_t* lengths, const DecodeDims& d, float scale, void* out_raw) {
@@ -94,54 +61,48 @@ void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const i
   }
 }
 
-ffi::Error PagedDecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
-                          float scale, int64_t split_tokens, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::Buffer<ffi::F32>> part_out,
-                          ffi::Result<ffi::Buffer<ffi::F32>> part_stats) {
-  DecodeDims d;
-  if (auto err = CheckDecode(q, k_pages, v_pages, page_table, lengths, *out, *part_out,
-                             *part_stats, split_tokens, &d);
-      err.failure())
-    return err;
-  // The scratch outputs are the CUDA kernel's; the CPU path does not need them.
-  return DispatchFloat(q.element_type(), "q", [&]<DType DT>() {
-    DecodeRows<DT>(q.untyped_data(), k_pages.untyped_data(), v_pages.untyped_data(),
-                   page_table.typed_data(), lengths.typed_data(), d, scale,
-                   out->untyped_data());
-    return ffi::Error::Success();
-  });
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kWriteKvCpu, WriteKvCpu, WriteKvSignature(ffi::Ffi::Bind()));
+void WriteKvSlots(const void* k, const void* v, const int32_t* slots, int64_t n,
+                  int64_t row_bytes, int64_t num_slots, void* k_out, void* v_out) {
+  char* ko = static_cast<char*>(k_out);
+  char* vo = static_cast<char*>(v_out);
+  const char* ks = static_cast<const char*>(k);
+  const char* vs = static_cast<const char*>(v);
+  const size_t rb = static_cast<size_t>(row_bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slots[i];
+    if (s < 0 || s >= num_slots) continue;
+    std::memcpy(ko + s * rb, ks + i * rb, rb);
+    std::memcpy(vo + s * rb, vs + i * rb, rb);
+  }
+}
 
-// fill_rows: rows >= ctrl[0] of x (N, ...) become 0, or with ctrl[1] != 0
-// every element becomes NaN; in place (the output aliases x).
-ffi::Error FillRowsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ctrl,
-                       ffi::Result<ffi::AnyBuffer> out) {
-  int64_t rows = 0, row_bytes = 0;
-  if (auto err = CheckFillRows(x, ctrl, *out, &rows, &row_bytes); err.failure()) return err;
-  char* o = static_cast<char*>(out->untyped_data());
-  if (o != x.untyped_data()) std::memcpy(o, x.untyped_data(), x.size_bytes());
-  const bool poison = ctrl.typed_data()[1] != 0;
-  const int64_t start = poison ? 0 : std::clamp<int64_t>(ctrl.typed_data()[0], 0, rows);
-  char* p = o + start * row_bytes;
+void PagedDecode(DType dtype, const void* q, const void* k_pages, const void* v_pages,
+                 const int32_t* page_table, const int32_t* lengths, const DecodeDims& d,
+                 float scale, void* out) {
+  switch (dtype) {
+    case DType::F32:
+      return DecodeRows<DType::F32>(q, k_pages, v_pages, page_table, lengths, d, scale, out);
+    case DType::BF16:
+      return DecodeRows<DType::BF16>(q, k_pages, v_pages, page_table, lengths, d, scale, out);
+    case DType::F16:
+      return DecodeRows<DType::F16>(q, k_pages, v_pages, page_table, lengths, d, scale, out);
+  }
+}
+
+void FillRows(DType dtype, void* x, const int32_t* ctrl, int64_t rows, int64_t row_bytes) {
+  const bool poison = ctrl[1] != 0;
+  const int64_t start = poison ? 0 : std::clamp<int64_t>(ctrl[0], 0, rows);
+  char* p = static_cast<char*>(x) + start * row_bytes;
   const size_t bytes = static_cast<size_t>((rows - start) * row_bytes);
   if (!poison) {
     std::memset(p, 0, bytes);
-    return ffi::Error::Success();
+    return;
   }
-  const uint32_t nan = NanBits(x.element_type());
-  const size_t width = ffi::ByteWidth(x.element_type());
+  const uint32_t nan = NanBits(dtype);
+  const size_t width = dtype == DType::F32 ? 4 : 2;
   for (size_t i = 0; i < bytes; i += width) std::memcpy(p + i, &nan, width);  // little endian
-  return ffi::Error::Success();
 }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFillRowsCpu, FillRowsCpu, FillRowsSignature(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kPagedDecodeCpu, PagedDecodeCpu,
-                              PagedDecodeSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

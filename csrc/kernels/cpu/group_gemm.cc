@@ -1,17 +1,13 @@
 // Steps 4 and 6 on the CPU: out[rows of group e] = x[rows of e] @ w[e]^T,
-// f32 accumulation. Rows past sum(expert_sizes) are zero. With `gather`, row r
+// f32 accumulation. Rows past sum(expert_sizes) are zero. With a gather, row r
 // of the input is x[rows[r] / topk] (zero when out of range), as in step 3.
-// tile_m is a CUDA tuning knob: checked, otherwise unused here, and so is the
-// scratch output (the CUDA sm90 path's workspace).
+#include "kernels/cpu/group_gemm.h"
+
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cpu/act_math.h"
+#include "kernels/common/numeric.h"
 #include "kernels/cpu/parallel_for.h"
-#include "ffi/ffi_common.h"
-#include "ffi/layer_steps.h"
-#include "ffi/targets.h"
-#include "ffi/shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -36,10 +32,11 @@ constexpr int64_t kItemCols = 32;
 // Below this many multiply-adds the call runs on the calling thread alone.
 constexpr int64_t kParallelMacs = int64_t{1} << 22;
 
+}  // namespace
+
 template <DType DT>
-void GroupGemm(ffi::ThreadPool& pool, const void* x_raw, const void* w_raw,
-               const int32_t* sizes, const GemmDims& d, const int32_t* rows, int64_t topk,
-               void* out_raw) {
+void GroupGemm(const TaskPool& pool, const void* x_raw, const void* w_raw, const int32_t* sizes,
+               const GemmDims& d, const int32_t* rows, int64_t topk, void* out_raw) {
   const int64_t m = d.m, groups = d.groups, n = d.n, k = d.k;
   using S = HostScalar<DT>;
   const auto* x = static_cast<const typename S::Storage*>(x_raw);
@@ -79,57 +76,16 @@ void GroupGemm(ffi::ThreadPool& pool, const void* x_raw, const void* w_raw,
   if (row * n * k < kParallelMacs) {
     for (int64_t i = 0; i < n_items; ++i) run(i);
   } else {
-    ParallelFor(PoolOf(pool), n_items, run);
+    ParallelFor(pool, n_items, run);
   }
   std::fill(out + row * n, out + m * n, S::Store(0.f));
 }
 
-ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
-                        bool gather, int64_t topk, int64_t tile_m,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*scratch*/) {
-  GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
-      err.failure())
-    return err;
-  return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
-    GroupGemm<DT>(pool, x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
-                  gather ? rows.typed_data() : nullptr, topk, out->untyped_data());
-    return ffi::Error::Success();
-  });
-}
-
-}  // namespace
-
-// Steps 3-6 in one call: the three ops of the CUDA handler, one after the
-// other (the same bits as group_gemm, the activation and group_gemm).
-ffi::Error ExpertMlpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w13,
-                        ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> expert_sizes,
-                        ffi::Buffer<ffi::S32> rows, int64_t topk, int64_t activation, bool gated,
-                        int64_t tile_m1, int64_t tile_m2, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a) {
-  GemmDims d1, d2;
-  if (auto err = CheckExpertMlp(x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
-                                tile_m2, *out, *h, *a, &d1, &d2);
-      err.failure())
-    return err;
-  return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
-    using S = HostScalar<DT>;
-    const int32_t* sizes = expert_sizes.typed_data();
-    GroupGemm<DT>(pool, x.untyped_data(), w13.untyped_data(), sizes, d1, rows.typed_data(), topk,
-                  h->untyped_data());
-    ActRows<S>(static_cast<const typename S::Storage*>(h->untyped_data()), d1.m, d1.n, d2.k,
-               activation, gated, static_cast<typename S::Storage*>(a->untyped_data()));
-    GroupGemm<DT>(pool, a->untyped_data(), w2.untyped_data(), sizes, d2, nullptr, 1,
-                  out->untyped_data());
-    return ffi::Error::Success();
-  });
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertMlpCpu, ExpertMlpCpu,
-                              ExpertMlpSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmCpu, GroupGemmCpu,
-                              GroupGemmSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+template void GroupGemm<DType::F32>(const TaskPool&, const void*, const void*, const int32_t*,
+                                    const GemmDims&, const int32_t*, int64_t, void*);
+template void GroupGemm<DType::BF16>(const TaskPool&, const void*, const void*, const int32_t*,
+                                     const GemmDims&, const int32_t*, int64_t, void*);
+template void GroupGemm<DType::F16>(const TaskPool&, const void*, const void*, const int32_t*,
+                                    const GemmDims&, const int32_t*, int64_t, void*);
 
 }  // namespace jax_moe

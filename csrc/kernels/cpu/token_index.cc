@@ -3,32 +3,14 @@
 // Entries whose expert id lies outside [start_expert, start_expert +
 // num_local) (another rank's experts, or an invalid id) are not placed: their
 // src_to_dst is -1, and dst_to_src holds -1 past the last placed row.
-#include <vector>
+#include "kernels/cpu/token_index.h"
 
-#include "ffi/ffi_common.h"
-#include "ffi/layer_steps.h"
-#include "ffi/targets.h"
-#include "ffi/shape_checks.h"
+#include <vector>
 
 namespace jax_moe {
 
-ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
-                         int64_t start_expert,
-                         ffi::Result<ffi::Buffer<ffi::S32>> src_to_dst,
-                         ffi::Result<ffi::Buffer<ffi::S32>> dst_to_src,
-                         ffi::Result<ffi::Buffer<ffi::S32>> expert_sizes,
-                         ffi::Result<ffi::Buffer<ffi::S32>> /*scratch*/) {
-  if (auto err = CheckTokenIndex(topk_ids, num_experts, start_expert, *src_to_dst, *dst_to_src,
-                                 *expert_sizes);
-      err.failure())
-    return err;
-  const int64_t n = topk_ids.element_count();
-  const int64_t local = expert_sizes->element_count();
-  const int32_t* ids = topk_ids.typed_data();
-  int32_t* s2d = src_to_dst->typed_data();
-  int32_t* d2s = dst_to_src->typed_data();
-  int32_t* sizes = expert_sizes->typed_data();
-
+void ComputeTokenIndex(const int32_t* ids, int64_t n, int64_t start_expert, int64_t local,
+                       int32_t* s2d, int32_t* d2s, int32_t* sizes) {
   std::vector<int64_t> offset(local, 0);
   for (int64_t e = 0; e < local; ++e) sizes[e] = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -51,9 +33,6 @@ ffi::Error TokenIndexCpu(ffi::Buffer<ffi::S32> topk_ids, int64_t num_experts,
     }
   }
   for (int64_t p = total; p < n; ++p) d2s[p] = -1;
-  return ffi::Error::Success();
 }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenIndexCpu, TokenIndexCpu, TokenIndexSignature(ffi::Ffi::Bind()));
 
 }  // namespace jax_moe

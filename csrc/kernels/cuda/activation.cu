@@ -1,10 +1,8 @@
 // Step 5 on the GPU: act(h[r, :I]) * h[r, I:] (gated) or act(h[r, :]) in f32,
 // 16-byte accesses when I allows, grid-stride over rows x I.
-#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/activation.h"
+
 #include "kernels/cuda/cuda_common.cuh"
-#include "ffi/ffi_common.h"
-#include "ffi/targets.h"
-#include "ffi/shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -90,41 +88,15 @@ cudaError_t LaunchActivationT(cudaStream_t stream, int64_t activation, bool gate
   }
 }
 
-ffi::Error GatedActCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activation, bool gated,
-                        ffi::Result<ffi::AnyBuffer> out) {
-  ActDims d;
-  if (auto err = CheckActivation(h, activation, gated, *out, &d); err.failure()) return err;
-  const int64_t rows = d.rows, inter = d.inter;
-  if (rows * inter == 0) return ffi::Error::Success();
-  return DispatchFloat(h.element_type(), "h", [&]<DType DT>() {
-    return CudaError(LaunchActivationT<DT>(stream, activation, gated, h.untyped_data(), rows,
-                                           inter, out->untyped_data(), false),
-                     "activation launch");
-  });
-}
-
 }  // namespace
 
 cudaError_t LaunchActivation(cudaStream_t stream, DType dtype, int64_t activation,
                              bool gated, const void* in, int64_t rows, int64_t inter, void* out,
                              bool pdl) {
   if (rows * inter == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::F32:
-      return LaunchActivationT<DType::F32>(stream, activation, gated, in, rows, inter, out,
-                                                   pdl);
-    case DType::BF16:
-      return LaunchActivationT<DType::BF16>(stream, activation, gated, in, rows, inter,
-                                                    out, pdl);
-    default:
-      return LaunchActivationT<DType::F16>(stream, activation, gated, in, rows, inter, out,
-                                                   pdl);
-  }
+  return WithDType(dtype, [&]<DType DT>() {
+    return LaunchActivationT<DT>(stream, activation, gated, in, rows, inter, out, pdl);
+  });
 }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kGatedActCuda, GatedActCuda,
-    GatedActSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

@@ -1,4 +1,5 @@
-// Device-side helpers shared by the CUDA handlers.
+// Device-side helpers and launch utilities shared by the CUDA kernels and their
+// launchers (no XLA include).
 #pragma once
 
 #include <cuda_bf16.h>

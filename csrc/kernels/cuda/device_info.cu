@@ -1,8 +1,7 @@
 // The hardware descriptor: what jax_moe.tuning.hardware() reports.
-#include <cuda_runtime.h>
+#include "kernels/cuda/device_info.h"
 
-#include "ffi/ffi_common.h"
-#include "ffi/targets.h"
+#include <cuda_runtime.h>
 
 namespace jax_moe {
 

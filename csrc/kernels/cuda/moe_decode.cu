@@ -19,15 +19,17 @@
 // Rounding points are the step-by-step path's (h, act and y in the input
 // dtype, f32 sums); the order of every sum is fixed, so the result is the
 // same bits run to run. Where a block's w2 rows do not fit in shared memory
-// it takes them in passes. Timings and phases: scripts/moe_decode_bench.cu,
-// benchmarks/RESULTS.md (eighteenth session).
+// it takes them in passes. The routing rule is kernels/common/routing.h's.
+// Timings and phases: benchmarks/kernels/moe_decode_bench.cu and
+// docs/performance.md.
+#include "kernels/cuda/moe_decode.h"
+
 #include <cooperative_groups.h>
 
+#include <algorithm>
+
+#include "kernels/common/routing.h"
 #include "kernels/cuda/cuda_common.cuh"
-#include "ffi/layer_steps.h"
-#include "ffi/ffi_common.h"
-#include "ffi/targets.h"
-#include "ffi/shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -39,8 +41,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxHChunks = static_cast<int>(kDecodeMaxHidden / 256);  // 16 bytes a lane each
 constexpr int kDotCols = 4;  // w2 columns a warp sums at once (WarpSum4)
 
-// Phase timestamps for scripts/moe_decode_bench.cu (compiled out otherwise):
-// block b writes globaltimer at point i to g_decode_stamps[b * 8 + i].
+// Phase timestamps, in the benchmark's build only (JAX_MOE_DECODE_STAMPS,
+// kernels/cuda/moe_decode.h): block b writes globaltimer at point i to
+// g_decode_stamps[b * 8 + i].
 #ifdef JAX_MOE_DECODE_STAMPS
 __device__ unsigned long long* g_decode_stamps;
 #define DECODE_STAMP(i)                                                          \
@@ -100,17 +103,17 @@ __device__ __forceinline__ float LoadLogit(const void* p, int type, int e) {
 
 // Step 1, all threads: expert e's rank is the number of experts ahead of it
 // (a larger logit, or an equal one with a lower id); the ranks below k are
-// the picks, in order. `tpe` adjacent threads share an expert's comparisons
-// (4 at 128 experts) so that routing is a short step before the stream. A
-// NaN logit is -inf, as in the router (never preferred); that also keeps the
-// ranks a permutation (every id valid, each slot written once). Ends with a
-// __syncthreads. The weights come later (RouteWeights): the stream needs
-// only the ids.
+// the picks, in order (RouteBeats: the router's order). `tpe` adjacent
+// threads share an expert's comparisons (4 at 128 experts) so that routing is
+// a short step before the stream. A NaN logit is -inf (RouteLogit), as in the
+// router; that also keeps the ranks a permutation (every id valid, each slot
+// written once). Ends with a __syncthreads. The weights come later
+// (RouteWeights): the stream needs only the ids.
 __device__ void RouteIds(const DecodeArgs& a, float* lg, int* ids) {
   const int e_count = a.experts, k = a.topk;
   for (int e = threadIdx.x; e < e_count; e += kThreads) {
     const float v = LoadLogit(a.logits, a.logit_type, e);
-    lg[e] = isnan(v) ? -INFINITY : v;
+    lg[e] = RouteLogit(v);
   }
   int tpe = 1;  // a power of two <= 32: the shuffles below stay in a warp
   while (tpe < 32 && tpe * 2 * e_count <= kThreads) tpe *= 2;
@@ -124,7 +127,7 @@ __device__ void RouteIds(const DecodeArgs& a, float* lg, int* ids) {
 #pragma unroll 8
     for (int o = sub; o < e_count; o += tpe) {
       const float w = lg[o];
-      rank += (w > v) | ((w == v) & (o < e));
+      rank += RouteBeats(w, o, v, e);
     }
     for (int m = 1; m < tpe; m <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, m);
     if (valid && sub == 0 && rank < k) ids[rank] = e;
@@ -132,19 +135,21 @@ __device__ void RouteIds(const DecodeArgs& a, float* lg, int* ids) {
   __syncthreads();
 }
 
-// The k weights, by one warp, sums in a fixed order. A row of nothing but
-// -inf gets NaN weights, as softmax gives it.
+// The k weights, by one warp, sums in a fixed order: the softmax with the
+// picks' terms as the sum (renormalize) or all experts' terms, times the
+// scaling factor. A row of nothing but -inf gets NaN weights, as softmax
+// gives it.
 __device__ void RouteWeights(const DecodeArgs& a, const float* lg, const int* ids, float* wts) {
   const int e_count = a.experts, k = a.topk, lane = threadIdx.x % 32;
   const float mx = lg[ids[0]];
   float sum = 0.f;
   if (a.renormalize) {
-    for (int j = 0; j < k; ++j) sum += expf(lg[ids[j]] - mx);
+    for (int j = 0; j < k; ++j) sum += SoftmaxTerm(lg[ids[j]], mx);
   } else {
-    for (int e = lane; e < e_count; e += 32) sum += expf(lg[e] - mx);
+    for (int e = lane; e < e_count; e += 32) sum += SoftmaxTerm(lg[e], mx);
     sum = WarpSum(sum);
   }
-  if (lane < k) wts[lane] = expf(lg[ids[lane]] - mx) / sum * a.scale;
+  if (lane < k) wts[lane] = SoftmaxScore(lg[ids[lane]], mx, sum) * a.scale;
 }
 
 // Warp sums of 4 values at once: 6 shuffles instead of 20. Each exchange
@@ -372,10 +377,21 @@ cudaError_t LaunchDecode(cudaStream_t stream, const DecodeArgs& args, int grid, 
   return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
+}  // namespace
+
+#ifdef JAX_MOE_DECODE_STAMPS
+cudaError_t SetMoeDecodeStamps(unsigned long long* stamps) {
+  return cudaMemcpyToSymbol(g_decode_stamps, &stamps, sizeof(stamps));
+}
+#endif
+
 // Sizes the grid (one block per SM) and the shared memory, then launches.
-// args' pointers, logit_type, sizes, renormalize and scale are set; cols and
-// pass_cols are filled in here.
-cudaError_t LaunchMoeDecode(cudaStream_t stream, DType dt, DecodeArgs args) {
+cudaError_t LaunchMoeDecode(cudaStream_t stream, DType dtype, const MoeDecodeProblem& p) {
+  DecodeArgs args{p.x, p.logits, p.w13, p.w2, p.act, p.out,
+                  p.logit_dtype == DType::BF16 ? 1 : p.logit_dtype == DType::F16 ? 2 : 0,
+                  static_cast<int>(p.experts), static_cast<int>(p.hidden),
+                  static_cast<int>(p.inter), static_cast<int>(p.topk), 0, 0, p.renormalize,
+                  p.scale};
   const int sms = DeviceSms(), optin = DeviceSmemOptin();
   if (sms <= 0 || optin <= 0) return cudaErrorInvalidDevice;
   const int k = args.topk, inter = args.inter, hidden = args.hidden;
@@ -395,30 +411,8 @@ cudaError_t LaunchMoeDecode(cudaStream_t stream, DType dt, DecodeArgs args) {
       default: return LaunchDecode<DT, 4>(stream, args, grid, smem, budget_all);
     }
   };
-  return dt == DType::BF16 ? launch.template operator()<DType::BF16>()
-                                   : launch.template operator()<DType::F16>();
+  return dtype == DType::BF16 ? launch.template operator()<DType::BF16>()
+                              : launch.template operator()<DType::F16>();
 }
-
-ffi::Error MoeDecodeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
-                         ffi::AnyBuffer w13, ffi::AnyBuffer w2, int64_t topk, bool renormalize,
-                         float routed_scaling_factor, AnyOut out, F32Out act) {
-  MoeDecodeDims d;
-  if (auto e = CheckMoeDecode(x, logits, w13, w2, topk, *out, *act, &d); e.failure()) return e;
-  const DType lt = ToDType(logits.element_type());
-  DecodeArgs args{x.untyped_data(), logits.untyped_data(), w13.untyped_data(), w2.untyped_data(),
-                  act->typed_data(), out->untyped_data(),
-                  lt == DType::BF16 ? 1 : lt == DType::F16 ? 2 : 0,
-                  static_cast<int>(d.experts), static_cast<int>(d.hidden),
-                  static_cast<int>(d.inter), static_cast<int>(d.k), 0, 0, renormalize,
-                  routed_scaling_factor};
-  return CudaError(LaunchMoeDecode(stream, ToDType(x.element_type()), args), "moe_decode launch");
-}
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kMoeDecodeCuda, MoeDecodeCuda,
-    MoeDecodeSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

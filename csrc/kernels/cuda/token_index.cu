@@ -11,15 +11,13 @@
 //           dst_to_src gets -1.
 // The scan and place kernels issue their global loads together before they
 // use them: these kernels are a few dependent loads each, so latency is
-// their whole cost (a serial scan over the chunks took 14 us at 65536
-// entries on an H200).
+// their whole cost (a serial scan over the chunks measured slow at 65536
+// entries on the H200; see docs/performance.md).
 // Up to one chunk of entries (decode batches) one warp does all three steps in
 // a single launch, with the expert offsets in shared memory.
+#include "kernels/cuda/token_index.h"
+
 #include "kernels/cuda/cuda_common.cuh"
-#include "ffi/layer_steps.h"
-#include "ffi/ffi_common.h"
-#include "ffi/targets.h"
-#include "ffi/shape_checks.h"
 
 namespace jax_moe {
 namespace {
@@ -206,60 +204,29 @@ __global__ void PlaceKernel(const int32_t* __restrict__ ids, int64_t n, int64_t 
 
 }  // namespace
 
-ffi::Error TokenIndexSteps(cudaStream_t stream, S32In topk_ids, int64_t num_experts,
-                           int64_t start_expert, S32Out src_to_dst, S32Out dst_to_src,
-                           S32Out expert_sizes, S32Out scratch, bool chained) {
-  if (auto err = CheckTokenIndex(topk_ids, num_experts, start_expert, *src_to_dst, *dst_to_src,
-                                 *expert_sizes);
-      err.failure())
-    return err;
-  const int64_t n = topk_ids.element_count();
-  const int64_t local = expert_sizes->element_count();
+cudaError_t LaunchTokenIndex(cudaStream_t stream, const int32_t* ids, int64_t n,
+                             int64_t start_expert, int64_t local, int32_t* src_to_dst,
+                             int32_t* dst_to_src, int32_t* expert_sizes, int32_t* s,
+                             bool chained) {
   const int64_t chunks = (n + kIndexChunk - 1) / kIndexChunk;
-  if (static_cast<int64_t>(scratch->element_count()) < IndexScratchSize(n, local))
-    return InvalidArg("moe_compute_token_index: scratch buffer too small");
   const size_t smem = sizeof(int32_t) * local;
-  if (smem > 48 * 1024) return InvalidArg("moe_compute_token_index: at most 12288 local experts on CUDA");
-  if (chunks > 0x7fffffff) return InvalidArg("moe_compute_token_index: too many entries");
   const int lc = static_cast<int>(local);
-  int32_t* s = scratch->typed_data();
-  const int32_t* ids = topk_ids.typed_data();
   // The first launch follows the router when chained; the later ones follow
   // this step's own kernels, inside this call either way.
   const bool sm90 = DeviceMajor() >= 9, pdl = chained && sm90;
   if (chunks <= 1)  // decode-sized: one launch
-    return CudaError(LaunchKernel(SmallIndexKernel, 1, 32, smem, stream, pdl, ids, n,
-                                  start_expert, lc, expert_sizes->typed_data(),
-                                  src_to_dst->typed_data(), dst_to_src->typed_data()),
-                     "moe_compute_token_index launch");
+    return LaunchKernel(SmallIndexKernel, 1, 32, smem, stream, pdl, ids, n, start_expert, lc,
+                        expert_sizes, src_to_dst, dst_to_src);
   const unsigned grid = static_cast<unsigned>(chunks);
   cudaError_t err = LaunchKernel(CountKernel, grid, 256, smem, stream, pdl, ids, n, start_expert,
                                  lc, s);
   if (err == cudaSuccess)
     err = LaunchKernel(ScanKernel, static_cast<unsigned>(CeilDiv(local, kScanWarps)),
-                       kScanWarps * 32, 0, stream, sm90, chunks, lc, s,
-                       expert_sizes->typed_data());
+                       kScanWarps * 32, 0, stream, sm90, chunks, lc, s, expert_sizes);
   if (err == cudaSuccess)
     err = LaunchKernel(PlaceKernel, grid, 32, smem, stream, sm90, ids, n, start_expert, lc,
-                       static_cast<const int32_t*>(s), expert_sizes->typed_data(),
-                       src_to_dst->typed_data(), dst_to_src->typed_data());
-  return CudaError(err, "moe_compute_token_index launch");
+                       static_cast<const int32_t*>(s), expert_sizes, src_to_dst, dst_to_src);
+  return err;
 }
-
-namespace {
-
-ffi::Error TokenIndexCuda(cudaStream_t stream, S32In topk_ids, int64_t num_experts,
-                          int64_t start_expert, S32Out src_to_dst, S32Out dst_to_src,
-                          S32Out expert_sizes, S32Out scratch) {
-  return TokenIndexSteps(stream, topk_ids, num_experts, start_expert, src_to_dst, dst_to_src,
-                         expert_sizes, scratch, false);
-}
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kTokenIndexCuda, TokenIndexCuda,
-    TokenIndexSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_moe

@@ -1,0 +1,48 @@
+// The activation target (ops.gated_activation, ops.activation): step 5,
+// gated act(h[..., :I]) * h[..., I:] or plain act(h) in f32, on the CPU
+// (kernels/cpu/activation.h) and the GPU (kernels/cuda/activation.h).
+#include "ffi/ffi_common.h"
+#include "ffi/shape_checks.h"
+#include "ffi/targets.h"
+#include "kernels/cpu/activation.h"
+
+#ifdef JAX_MOE_WITH_CUDA
+#include "kernels/cuda/activation.h"
+#endif
+
+namespace jax_moe {
+namespace {
+
+ffi::Error ActivationCpu(ffi::AnyBuffer h, int64_t activation, bool gated,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  ActDims d;
+  if (auto err = CheckActivation(h, activation, gated, *out, &d); err.failure()) return err;
+  ActivationRows(ToDType(h.element_type()), h.untyped_data(), d.rows, d.width, d.inter,
+                 activation, gated, out->untyped_data());
+  return ffi::Error::Success();
+}
+
+#ifdef JAX_MOE_WITH_CUDA
+ffi::Error ActivationCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activation, bool gated,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  ActDims d;
+  if (auto err = CheckActivation(h, activation, gated, *out, &d); err.failure()) return err;
+  return CudaError(LaunchActivation(stream, ToDType(h.element_type()), activation, gated,
+                                    h.untyped_data(), d.rows, d.inter, out->untyped_data(),
+                                    false),
+                   "activation launch");
+}
+#endif
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kActivationCpu, ActivationCpu, ActivationSignature(ffi::Ffi::Bind()));
+
+#ifdef JAX_MOE_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kActivationCuda, ActivationCuda,
+    ActivationSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+#endif
+
+}  // namespace jax_moe

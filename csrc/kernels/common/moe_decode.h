@@ -1,0 +1,40 @@
+// moe_decode (one token, the whole routed layer in one call): its limits and
+// its problem, shared by the CPU and CUDA kernels and the handlers' checks
+// (ffi/shape_checks.h); no XLA include.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/numeric.h"
+
+namespace jax_moe {
+
+// The limits of the CUDA kernel, which both handlers enforce so that both
+// platforms accept the same calls (Python reads them as the module's
+// DECODE_LIMITS).
+constexpr int64_t kDecodeMaxTopk = 8;        // weights per slot in shared memory
+constexpr int64_t kDecodeMaxExperts = 1024;  // logits in shared memory
+constexpr int64_t kDecodeMaxHidden = 2048;   // x in registers: 8 x 16 bytes a lane
+constexpr int64_t kDecodeMaxInter = 1024;    // act in registers: 4 x 8 floats a lane
+constexpr int64_t kDecodeMultiple = 256;     // H and I: whole 256-column warp strides
+
+// One token: pointers (device memory for the CUDA kernel) and sizes, within
+// the limits above. Softmax top-k of the logits (the choice on the logits;
+// kernels/common/routing.h), then act = round(silu(round(gate . x)) *
+// round(up . x)) per pick, y = round(w2 . act) and out = sum over the picks,
+// in rank order, of weight * y; x, the weights and out share one dtype (bf16
+// or f16), sums in f32.
+struct MoeDecodeProblem {
+  const void* x;       // (H)
+  const void* logits;  // (E), logit_dtype (f32, bf16 or f16)
+  const void* w13;     // (E, 2I, H)
+  const void* w2;      // (E, H, I)
+  float* act;          // (k, I) scratch
+  void* out;           // (H)
+  DType logit_dtype;
+  int64_t experts, hidden, inter, topk;
+  bool renormalize;
+  float scale;  // routed_scaling_factor
+};
+
+}  // namespace jax_moe

@@ -1,0 +1,16 @@
+// Step 5 on the CPU, the activation (kernels/cpu/activation.cc).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/numeric.h"
+
+namespace jax_moe {
+
+// out (rows x inter) = act(in[r, :inter]) * in[r, inter:] (gated) or
+// act(in[r, :]) for the rows of in (width wide), in `dtype`, computed in f32;
+// `activation` is an Activation code.
+void ActivationRows(DType dtype, const void* in, int64_t rows, int64_t width, int64_t inter,
+                    int64_t activation, bool gated, void* out);
+
+}  // namespace jax_moe

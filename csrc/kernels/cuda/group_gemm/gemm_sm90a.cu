@@ -1,0 +1,404 @@
+// Steps 4 and 6 on Hopper (tile_m = 256): the grouped GEMM as a CUTLASS 3.x
+// ptr-array grouped GEMM (TMA loads and stores, wgmma, warp-specialized
+// cooperative kernel, persistent grid). Same semantics as dispatch.cu:
+// out[rows of expert e] = x[rows of e] @ w[e]^T with f32 accumulation, expert
+// e owning rows [min(P_e, M), min(P_{e+1}, M)) where P is the prefix sum of
+// max(size, 0), and rows [min(P_E, M), M) zero.
+//
+// Design
+//  * Compiled for sm_90a only (wgmma and TMA are "arch conditional": a plain
+//    sm_90 target builds a kernel that only reports an error at run time;
+//    CMake builds every *_sm90a.cu so). The group_gemm handler
+//    (csrc/ffi/group_gemm.cc) calls GroupGemmSm90 for tile_m = 256 and falls
+//    back to the 128-row mma.sync kernel when it does not apply.
+//  * No host sync: the per-expert problem shapes and the A/B/D pointer and
+//    stride arrays are written on the device by a one-block kernel from
+//    expert_sizes (CUTLASS gets host_problem_shapes = nullptr and reads the
+//    shapes on the device). The CUTLASS workspace (one TMA descriptor set per
+//    SM) depends only on the SM count, so its size is known without device
+//    data. Everything lives in the call's scratch output (an XLA buffer sized
+//    in Python by GroupGemmSm90ScratchBytes), not in the FFI scratch allocator's
+//    memory: that memory is freed when the handler returns, while a CUDA
+//    graph recorded from the handler (kCmdBufferCompatible) replays the
+//    same addresses later.
+//  * Gather (step 3 fused): TMA cannot gather rows, so the rows are first
+//    expanded into the scratch (16-byte vector copies, zero rows for invalid
+//    sources) and the GEMM reads that buffer.
+//  * Tail rows [rows_total, M) are zeroed by the same prep kernel; empty
+//    experts get an M = 0 problem, which the group tile scheduler skips.
+//  * Tiles: 64x128x64 (pingpong: each consumer warpgroup owns a tile) while
+//    experts average < kSkinnyRows rows, where a 128-row tile would be mostly
+//    padding; from there 128x256x64 where N >= 256, else 128x128x64. At 64,
+//    128 and 192 rows per expert the 128x256 tiles were faster than 128x128
+//    on every GEMM measured on the H200 (docs/performance.md).
+//    All on one-CTA clusters: a 2x1 cluster (the weight tile multicast to a
+//    pair of M tiles) rounds every expert's rows up to 256, and at 256-512
+//    rows per expert on average that padding cost more than the multicast
+//    saved; at 2048 rows per expert the two were equal. 1x2 clusters (A
+//    multicast) and 128x128 pingpong were in between (docs/performance.md).
+//    The persistent group scheduler has no split-K or stream-K: each output
+//    is summed by one CTA in a fixed K order, so results are bitwise
+//    reproducible run to run (but not equal to the mma.sync tiles' bits).
+//  * bf16 and f16 only, 3 tile configs: 6 CUTLASS instantiations, the bulk of
+//    this file's compile time.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include <cub/block/block_scan.cuh>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "kernels/common/numeric.h"
+#include "kernels/cuda/group_gemm/gemm_sm90a.h"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
+#endif
+
+namespace jax_moe {
+namespace {
+
+using namespace cute;
+
+// The largest SM count the scratch is sized for (a full GH100 die). A device
+// with more SMs runs a persistent grid of this many CTAs.
+constexpr int kMaxSms = 144;
+constexpr size_t kScratchAlign = 256;  // every scratch section, and the base
+constexpr int kSetupThreads = 1024;
+constexpr int kPrepThreads = 256;
+// Rows per expert (average) below which the 64-row tiles run.
+constexpr int64_t kSkinnyRows = 64;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using ShapeMNK = ProblemShape::UnderlyingProblemShape;
+
+// A (M, K) row-major, B = w[e] (N, K) row-major, which is CUTLASS's
+// column-major B: both K-major ("TN"). D (M, N) row-major. 8 elements = the
+// 16 bytes TMA needs.
+// Cooperative: two consumer warpgroups split each tile's M (tile M >= 128).
+// Pingpong: each consumer warpgroup owns a whole tile (M = 64) and the two
+// alternate mainloop and epilogue.
+struct Cooperative {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <typename Element, typename TileShape, typename ClusterShape, typename Schedule>
+struct Sm90Gemm {
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignment = 8;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlignment,  // no C: D = alpha * acc
+      Element, LayoutD*, kAlignment, typename Schedule::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
+      Element, LayoutB*, kAlignment, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      typename Schedule::Mainloop>::CollectiveOp;
+  // No tile scheduler named: the ptr-array kernel's default, the persistent
+  // group scheduler (no split-K / stream-K).
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+using Skinny = Shape<_64, _128, _64>;
+using Narrow = Shape<_128, _128, _64>;
+using Wide = Shape<_128, _256, _64>;
+using Cluster1 = Shape<_1, _1, _1>;
+
+template <typename Element>
+using SkinnyGemm = Sm90Gemm<Element, Skinny, Cluster1, Pingpong>;
+template <typename Element>
+using NarrowGemm = Sm90Gemm<Element, Narrow, Cluster1, Cooperative>;
+template <typename Element>
+using WideGemm = Sm90Gemm<Element, Wide, Cluster1, Cooperative>;
+
+// One set of stride types for all six kernels (they depend on the layouts only).
+using StrideA = NarrowGemm<cutlass::bfloat16_t>::StrideA;
+using StrideB = NarrowGemm<cutlass::bfloat16_t>::StrideB;
+using StrideD = NarrowGemm<cutlass::bfloat16_t>::StrideD;
+static_assert(std::is_same_v<StrideA, WideGemm<cutlass::half_t>::StrideA> &&
+              std::is_same_v<StrideB, WideGemm<cutlass::half_t>::StrideB> &&
+              std::is_same_v<StrideD, WideGemm<cutlass::half_t>::StrideD> &&
+              std::is_same_v<StrideA, SkinnyGemm<cutlass::half_t>::StrideA> &&
+              std::is_same_v<StrideB, SkinnyGemm<cutlass::half_t>::StrideB> &&
+              std::is_same_v<StrideD, SkinnyGemm<cutlass::half_t>::StrideD>);
+
+constexpr size_t RoundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Host: the CUTLASS workspace of a kernel for kMaxSms SMs. Reads no device
+// data (host problem shapes absent) and makes no CUDA call.
+template <typename G>
+size_t WorkspaceBytes(int64_t groups) {
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(groups), nullptr, nullptr};
+  args.hw_info.sm_count = kMaxSms;
+  return G::Gemm::get_workspace_size(args);
+}
+
+// Where each part of the call's scratch lives (byte offsets from the
+// 256-byte aligned base); `bytes` includes the slack for aligning the base.
+struct ScratchLayout {
+  size_t rows_total, shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, workspace, expand;
+  size_t bytes;
+};
+
+ScratchLayout MakeLayout(int64_t m, int64_t k, int64_t groups, bool gather) {
+  const size_t g = static_cast<size_t>(groups);
+  size_t ws = 0;
+  for (size_t w : {WorkspaceBytes<NarrowGemm<cutlass::bfloat16_t>>(groups),
+                   WorkspaceBytes<NarrowGemm<cutlass::half_t>>(groups),
+                   WorkspaceBytes<WideGemm<cutlass::bfloat16_t>>(groups),
+                   WorkspaceBytes<WideGemm<cutlass::half_t>>(groups),
+                   WorkspaceBytes<SkinnyGemm<cutlass::bfloat16_t>>(groups),
+                   WorkspaceBytes<SkinnyGemm<cutlass::half_t>>(groups)})
+    ws = w > ws ? w : ws;
+  ScratchLayout l{};
+  size_t off = 0;
+  auto take = [&](size_t n) {
+    const size_t at = off;
+    off = RoundUp(off + n, kScratchAlign);
+    return at;
+  };
+  l.rows_total = take(sizeof(int64_t));
+  l.shapes = take(g * sizeof(ShapeMNK));
+  l.ptr_a = take(g * sizeof(void*));
+  l.ptr_b = take(g * sizeof(void*));
+  l.ptr_d = take(g * sizeof(void*));
+  l.stride_a = take(g * sizeof(StrideA));
+  l.stride_b = take(g * sizeof(StrideB));
+  l.stride_d = take(g * sizeof(StrideD));
+  l.workspace = take(ws);
+  l.expand = take(gather ? static_cast<size_t>(m) * static_cast<size_t>(k) * 2 : 0);
+  l.bytes = off + kScratchAlign;
+  return l;
+}
+
+// ---------------------------------------------------------------------------
+// Device: the group arrays, the gather expand and the tail
+// ---------------------------------------------------------------------------
+
+// One block: expert e gets rows [min(P_e, M), min(P_{e+1}, M)) (P: prefix sum
+// of max(size, 0), scanned 1024 experts per pass), i.e. the problem
+// (rows, N, K) and the pointers to its first rows of A and D and to w[e].
+// Also stores min(P_E, M), the first tail row.
+template <typename Element>
+__global__ void __launch_bounds__(kSetupThreads)
+    Sm90SetupKernel(const int32_t* __restrict__ sizes, int64_t groups, int64_t m, int n, int k,
+                    const Element* a, const Element* w, Element* d, StrideA sa, StrideB sb,
+                    StrideD sd, ShapeMNK* shapes, const Element** ptr_a, const Element** ptr_b,
+                    Element** ptr_d, StrideA* stride_a, StrideB* stride_b, StrideD* stride_d,
+                    int64_t* rows_total) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  int64_t carry = 0;  // min(rows of the experts before this pass, M)
+  for (int64_t base = 0; base < groups; base += kSetupThreads) {
+    const int64_t e = base + threadIdx.x;
+    const int32_t s = e < groups ? sizes[e] : 0;
+    const int64_t count = s > 0 ? s : 0;
+    int64_t incl, pass_total;
+    Scan(scan).InclusiveSum(count, incl, pass_total);
+    if (e < groups) {
+      const int64_t hi = carry + incl;
+      const int64_t start = hi - count < m ? hi - count : m;
+      const int64_t end = hi < m ? hi : m;
+      shapes[e] = ShapeMNK(static_cast<int>(end - start), n, k);
+      ptr_a[e] = a + start * k;
+      ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
+      ptr_d[e] = d + start * n;
+      stride_a[e] = sa;
+      stride_b[e] = sb;
+      stride_d[e] = sd;
+    }
+    // Clamping the carry is exact: min(min(a, M) + b, M) == min(a + b, M), b >= 0.
+    carry = carry + pass_total < m ? carry + pass_total : m;
+    __syncthreads();  // `scan` is reused by the next pass
+  }
+  if (threadIdx.x == 0) *rows_total = carry;
+}
+
+// Grid-stride over rows, 16-byte vectors along the row: with a gather, rows
+// [0, rows_total) of the expanded input become x[rows[r] / topk] (zero for an
+// invalid entry); rows [rows_total, m) of out become zero. kv, nv: vectors
+// per row of x and of out.
+__global__ void __launch_bounds__(kPrepThreads)
+    Sm90PrepKernel(const uint4* __restrict__ x, const int32_t* __restrict__ rows, int64_t topk,
+                   int64_t limit, uint4* __restrict__ expand, uint4* __restrict__ out,
+                   const int64_t* __restrict__ rows_total_ptr, int64_t m, int64_t kv, int64_t nv) {
+  const int64_t rows_total = *rows_total_ptr;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int64_t r = (rows != nullptr ? 0 : rows_total) + blockIdx.x; r < m; r += gridDim.x) {
+    if (r < rows_total) {
+      const int64_t src = ExpandSourceRow(rows[r], topk, limit);
+      uint4* to = expand + r * kv;
+      if (src >= 0) {
+        const uint4* from = x + src * kv;
+        for (int64_t c = threadIdx.x; c < kv; c += kPrepThreads) to[c] = from[c];
+      } else {
+        for (int64_t c = threadIdx.x; c < kv; c += kPrepThreads) to[c] = zero;
+      }
+    } else {
+      uint4* to = out + r * nv;
+      for (int64_t c = threadIdx.x; c < nv; c += kPrepThreads) to[c] = zero;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host
+// ---------------------------------------------------------------------------
+
+// The current device and its SM count (capped at kMaxSms) when the sm90 path
+// can run there: compute capability 9.0 (sm_90a code runs on no other) and
+// our kernels load. Queried once per device.
+bool UsableDevice(int* dev, int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet, -1: unusable, else SMs
+  if (cudaGetDevice(dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int v = *dev >= 0 && *dev < kMaxDevices ? cache[*dev].load(std::memory_order_acquire) : 0;
+  if (v == 0) {
+    int major = 0, minor = 0, count = 0;
+    cudaFuncAttributes attr;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, *dev) == cudaSuccess &&
+        major == 9 && minor == 0 && count > 0 &&
+        cudaFuncGetAttributes(&attr, Sm90PrepKernel) == cudaSuccess;
+    cudaGetLastError();  // a failed query leaves nothing behind for the next launch check
+    v = ok ? (count < kMaxSms ? count : kMaxSms) : -1;
+    if (*dev >= 0 && *dev < kMaxDevices) cache[*dev].store(v, std::memory_order_release);
+  }
+  *sms = v;
+  return v > 0;
+}
+
+inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename G>
+cudaError_t RunSm90(const Sm90GemmCall& c, int dev, int sms, bool* ran) {
+  using Element = typename G::Gemm::ElementA;
+  const bool gather = c.rows != nullptr;
+  const ScratchLayout l = MakeLayout(c.m, c.k, c.groups, gather);
+  char* base = reinterpret_cast<char*>(
+      RoundUp(reinterpret_cast<uintptr_t>(c.scratch), kScratchAlign));
+  if (c.scratch == nullptr || base + (l.bytes - kScratchAlign) >
+                                  static_cast<char*>(c.scratch) + c.scratch_bytes)
+    return cudaSuccess;  // Python sized it for another configuration: fall back
+  auto* shapes = reinterpret_cast<ShapeMNK*>(base + l.shapes);
+  auto* ptr_a = reinterpret_cast<const Element**>(base + l.ptr_a);
+  auto* ptr_b = reinterpret_cast<const Element**>(base + l.ptr_b);
+  auto* ptr_d = reinterpret_cast<Element**>(base + l.ptr_d);
+  auto* stride_a = reinterpret_cast<StrideA*>(base + l.stride_a);
+  auto* stride_b = reinterpret_cast<StrideB*>(base + l.stride_b);
+  auto* stride_d = reinterpret_cast<StrideD*>(base + l.stride_d);
+  auto* rows_total = reinterpret_cast<int64_t*>(base + l.rows_total);
+  const auto* a = static_cast<const Element*>(
+      gather ? static_cast<const void*>(base + l.expand) : c.x);
+
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(c.groups), shapes, nullptr};  // shapes on the device only
+  args.mainloop.ptr_A = ptr_a;
+  args.mainloop.dA = stride_a;
+  args.mainloop.ptr_B = ptr_b;
+  args.mainloop.dB = stride_b;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = ptr_d;
+  args.epilogue.dD = stride_d;
+  args.hw_info.device_id = dev;
+  args.hw_info.sm_count = sms;
+  typename G::Gemm gemm;
+  // Both are host-only (initialize sets the kernel's shared memory
+  // attribute): a failure launches nothing, and the caller falls back.
+  if (G::Gemm::get_workspace_size(args) > l.expand - l.workspace ||
+      gemm.can_implement(args) != cutlass::Status::kSuccess ||
+      gemm.initialize(args, base + l.workspace, c.stream) != cutlass::Status::kSuccess) {
+    cudaGetLastError();
+    return cudaSuccess;
+  }
+
+  const int n = static_cast<int>(c.n), k = static_cast<int>(c.k);
+  Sm90SetupKernel<Element><<<1, kSetupThreads, 0, c.stream>>>(
+      c.sizes, c.groups, c.m, n, k, a, static_cast<const Element*>(c.w),
+      static_cast<Element*>(c.out), cutlass::make_cute_packed_stride(StrideA{}, {1, k, 1}),
+      cutlass::make_cute_packed_stride(StrideB{}, {n, k, 1}),
+      cutlass::make_cute_packed_stride(StrideD{}, {1, n, 1}), shapes, ptr_a, ptr_b, ptr_d,
+      stride_a, stride_b, stride_d, rows_total);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  *ran = true;  // from here on, the call is ours (errors are reported, not retried)
+  const int64_t prep_blocks = c.m < int64_t{sms} * 8 ? c.m : int64_t{sms} * 8;
+  Sm90PrepKernel<<<static_cast<unsigned>(prep_blocks), kPrepThreads, 0, c.stream>>>(
+      static_cast<const uint4*>(c.x), c.rows, c.topk, c.x_rows * c.topk,
+      reinterpret_cast<uint4*>(base + l.expand), static_cast<uint4*>(c.out), rows_total, c.m,
+      c.k / 8, c.n / 8);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const cutlass::Status st = gemm.run(c.stream);
+  err = cudaGetLastError();
+  if (err == cudaSuccess && st != cutlass::Status::kSuccess) err = cudaErrorLaunchFailure;
+  return err;
+}
+
+}  // namespace
+
+int64_t GroupGemmSm90ScratchBytes(int64_t m, int64_t k, int64_t groups, bool gather) {
+  if (m < 0 || k < 0 || groups < 1) return 0;
+  return static_cast<int64_t>(MakeLayout(m, k, groups, gather).bytes);
+}
+
+cudaError_t GroupGemmSm90(const Sm90GemmCall& c, bool* ran) {
+  *ran = false;
+  constexpr int64_t kInt32Max = 2147483647;
+  if (c.m <= 0 || c.m > kInt32Max || c.n <= 0 || c.n > kInt32Max || c.k <= 0 || c.k > kInt32Max ||
+      c.groups <= 0 || c.groups > kInt32Max || c.n % 8 != 0 || c.k % 8 != 0 ||
+      !Aligned16(c.x) || !Aligned16(c.w) || !Aligned16(c.out))
+    return cudaSuccess;
+  int dev = 0, sms = 0;
+  if (!UsableDevice(&dev, &sms)) return cudaSuccess;
+  const bool skinny = c.m < kSkinnyRows * c.groups;
+  const bool wide = !skinny && c.n >= 256;
+  if (c.bf16) {
+    return wide     ? RunSm90<WideGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
+           : skinny ? RunSm90<SkinnyGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
+                    : RunSm90<NarrowGemm<cutlass::bfloat16_t>>(c, dev, sms, ran);
+  }
+  return wide     ? RunSm90<WideGemm<cutlass::half_t>>(c, dev, sms, ran)
+         : skinny ? RunSm90<SkinnyGemm<cutlass::half_t>>(c, dev, sms, ran)
+                  : RunSm90<NarrowGemm<cutlass::half_t>>(c, dev, sms, ran);
+}
+
+}  // namespace jax_moe

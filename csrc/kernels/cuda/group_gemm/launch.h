@@ -1,0 +1,36 @@
+// The grouped GEMM's launchers (csrc/kernels/cuda/group_gemm/), a plain C++
+// header for the handlers (csrc/ffi/group_gemm.cc, expert_mlp.cc), the
+// module and the kernel benchmarks: raw pointers, DType and cudaStream_t,
+// no XLA include.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/common/gemm_dims.h"
+#include "kernels/common/numeric.h"
+#include "kernels/cuda/group_gemm/gemm_sm90a.h"
+
+namespace jax_moe {
+
+// Steps 4 / 6 (with `rows`, step 3 too) in `dtype` on `stream`: out (d.m,
+// d.n) = rows of x grouped by expert times w[e]^T, f32 accumulation, rows
+// past sum(sizes) zero. rows: dst_to_src of a fused gather (row r of the input
+// is x[rows[r] / topk], zero where rows[r] is outside [0, d.x_rows * topk)),
+// or null. tile_m is 8, 16, 32, 64 or 128 (256, the sm90 path, is the
+// group_gemm handler's own: GroupGemmSm90; here it runs as 128); d.m > 0 and
+// d.n > 0. Launches only on `stream`: no sync, no allocation. pdl: launched
+// with programmatic stream serialisation (after another kernel of the call,
+// whose output it may read: x; with wait_first, sizes and rows too).
+cudaError_t LaunchGroupGemmFor(cudaStream_t stream, DType dtype, const void* x,
+                               const void* w, const int32_t* sizes, void* out, const GemmDims& d,
+                               const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl,
+                               bool wait_first = false);
+
+// Whether the current device runs programmatic dependent launch (compute
+// capability 9.0+), for a caller that chains LaunchGroupGemmFor with other
+// kernels of one call (expert_mlp); asked once per device.
+bool DeviceSupportsPdl();
+
+}  // namespace jax_moe
