@@ -30,8 +30,8 @@ def per_call_seconds(program, calls: int, repeats: int) -> float:
     up a jitted program of n chained calls and returns a callable that runs
     it once and blocks. The result is the slope between programs of `calls`
     and `calls // 5` calls, each program's time the median of `repeats` runs:
-    a fixed cost per program (0.5-1.7 ms, 8-24% of a 20-call attention
-    program on the H200) cancels out, the gaps between calls stay in. With
+    a fixed cost per program (about a millisecond on a GPU, different for
+    each program) cancels out, the gaps between calls stay in. With
     fewer than 5 calls: the program's time / calls."""
 
     def median_time(n):

@@ -8,7 +8,8 @@ runs several times (median); the time per call is the slope between a program
 of --calls calls and one of a fifth as many (the fixed cost of dispatching a
 program cancels out; _bench_common.per_call_seconds), reported with % of the hardware
 floor max(bytes / bandwidth, FLOPs / matmul rate) where bytes are the weights
-of the experts the batch touches plus activations in and out.
+of the experts the batch touches plus activations in and out. The method and
+the H200's numbers: docs/performance.md.
 
     python benchmarks/bench_moe.py             # the full grid (meant for the GPU)
     python benchmarks/bench_moe.py --quick     # tiny shapes, any backend (CI smoke)
@@ -43,9 +44,10 @@ TOKENS = (1, 16, 128, 1024, 8192)
 QUICK_SHAPES = {"tiny": (64, 32, 8, 2), "tiny_odd": (72, 40, 5, 3), "tiny_routed": (64, 32, 8, 2)}
 QUICK_TOKENS = (1, 16, 100)
 ROUTINGS = 8  # distinct random routings the loop rotates through
-# The floor's ceilings: the H200's copy bandwidth (bytes read + written) and
-# bf16 matmul rate as measured on the device machine (DESIGN.md); the values
-# this run measures itself are printed and saved beside them.
+# The floor's ceilings, fixed figures for the H200: 4.3 TB/s of memory
+# bandwidth and 790 TFLOP/s of bf16 matmul (docs/performance.md, "Method").
+# The copy and matmul rates this run measures itself are printed and saved
+# beside them.
 FLOOR_BANDWIDTH, FLOOR_MATMUL = 4.3e12, 790e12
 
 
@@ -183,12 +185,12 @@ def main() -> None:
     p.add_argument("--tokens", nargs="*", type=int)
     p.add_argument("--calls", type=int, default=None,
                    help="layer calls per timed loop (default 20, and 100 at T <= 16: a program's "
-                        "fixed cost varies by a few hundred µs between runs, which over 16 calls "
-                        "moved Qwen3-30B-A3B T=1 between 29 and 38 µs in one H200 session)")
+                        "fixed cost varies by a few hundred µs between runs, too much for a "
+                        "slope over 16 calls of a layer of a few tens of µs)")
     p.add_argument("--ref-calls", type=int, default=None,
                    help="calls per timed loop of the pure-JAX path (slow at large T; default 10, "
-                        "a slope against 2 calls: with 5 against 1, Mixtral T=16 read 580-725 "
-                        "µs in two H200 runs; 0 skips it)")
+                        "a slope against 2 calls: a slope against one call was too noisy; "
+                        "0 skips it)")
     p.add_argument("--ref-chunks", type=int, default=1,
                    help="token slices the pure-JAX path starts with (at most what divides T; "
                         "doubled while it fails, e.g. out of memory; the table marks the count "

@@ -10,14 +10,16 @@ so  scaling efficiency = t_1dev / t_Ndev  (1.0 = perfect weak scaling; above
 1.0 is possible: each device reads only 1/N of the weights) and throughput =
 global tokens / t.
 
-Timing is bench_moe.py's: one jitted straight-line program of `calls` layer calls, each
-call's output (sharded like its input) is the next call's input, the routing
-rotates among ROUTINGS random logits batches (stacked on a leading, unsharded
+Timing: one jitted straight-line program of `calls` layer calls, as in
+bench_moe.py: each call's output (sharded like its input) is the next call's
+input, the routing rotates among ROUTINGS random logits batches (stacked on a leading, unsharded
 axis, placed with the router_logits sharding), each made to depend on the
 call's input (_bench_common.after: otherwise XLA deduplicates the routing of
 calls that share logits; the expert-only loop below keeps independent logits,
 so its routing may be deduplicated). One warm-up run, then the median
-of `repeats` runs, divided by `calls`: device time per layer.
+of `repeats` runs, divided by `calls`: device time per layer. Unlike
+bench_moe.py this is not a slope between two programs, so the program's
+fixed dispatch cost is spread over the calls.
 
 Expert time vs collectives. "expert µs" is the same per-device work with every
 collective removed, timed the same way: inside jax.shard_map over the same
@@ -160,7 +162,8 @@ def expert_loop(plan, calls):
     """The layer's per-device compute with no collective (see the docstring):
     carry xg is (N * T_glob, H) globally, (T_glob, H) = the post-dispatch rows
     per device."""
-    impl = parallel._BACKENDS["ffi"]
+    impl = jax_moe.backends.get("ffi")
+    steps = jax_moe.backends.steps("ffi")
     tok = P(plan.token_axes, None)
     e_loc, k = plan.local_experts, plan.topk
 
@@ -171,7 +174,7 @@ def expert_loop(plan, calls):
         idg = jnp.concatenate([ids, id_pre[t_loc:]])
         rank = jax.lax.axis_index(plan.ep) if plan.n_ep > 1 else 0
         w13 = w13.reshape(e_loc, -1, xg.shape[1])  # (E_loc, 2, I_loc, H) -> (E_loc, 2 I_loc, H)
-        y = parallel._local_experts(impl, xg, wg, idg - rank * e_loc, w13, w2, plan)
+        y = parallel._local_experts(steps, xg, wg, idg - rank * e_loc, w13, w2, plan)
         return y.astype(xg.dtype)
 
     specs = (tok, tok, tok, tok, P(plan.ep, None, plan.tp, None), P(plan.ep, None, plan.tp))

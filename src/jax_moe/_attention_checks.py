@@ -15,11 +15,11 @@ from jax_moe import _checks
 HEAD_DIMS = (64, 128, 256)
 # The CUDA decode kernel puts its splits on grid.y (<= 65535); with the
 # default splits of >= 256 tokens, the same bound holds on every platform
-# (csrc/attention_checks.h).
+# (csrc/ffi/attention.cc).
 MAX_DECODE_SPLITS = 65535
 MAX_DECODE_TOKENS = MAX_DECODE_SPLITS * 256
 # Split sizes the decode kernel accepts (kDecodeSplitUnit, kDecodeMaxSplitTokens
-# in csrc/attention_checks.h; a test checks that the extension agrees).
+# in csrc/kernels/common/attention.h; a test checks that the extension agrees).
 DECODE_SPLIT_UNIT = 64
 DECODE_MAX_SPLIT_TOKENS = 2048
 
@@ -43,7 +43,8 @@ def cache_args(k_pages, v_pages) -> None:
     _checks.float_dtype(k_pages, "k_pages")
     _checks.same_dtype(k_pages, "k_pages", v_pages, "v_pages")
     if k_pages.shape != v_pages.shape:
-        raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}, got {v_pages.shape}")
+        raise ValueError(
+            f"v_pages must have the shape of k_pages {k_pages.shape}, got {v_pages.shape}")
     if k_pages.shape[1] < 1:
         raise ValueError(f"page_size (k_pages.shape[1]) must be >= 1, got {k_pages.shape[1]}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
@@ -66,7 +67,8 @@ def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
     _checks.rank(slot_mapping, "slot_mapping", 1)
     _checks.int_dtype(slot_mapping, "slot_mapping")
     if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping must have N={k.shape[0]} entries, got {slot_mapping.shape[0]}")
+        raise ValueError(
+            f"slot_mapping must have N={k.shape[0]} entries, got {slot_mapping.shape[0]}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
     if _concrete(slot_mapping) and slot_mapping.shape[0]:
         s = np.asarray(slot_mapping).astype(np.int64)
@@ -163,7 +165,8 @@ def prefill_args(q, k, v, cu_seqlens, scale) -> float:
         c = np.asarray(cu_seqlens).astype(np.int64)
         if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] > n:
             raise ValueError(
-                f"cu_seqlens must start at 0, be non-decreasing and end at most at N={n}, got {c.tolist()}")
+                f"cu_seqlens must start at 0, be non-decreasing and end at most at N={n}, "
+                f"got {c.tolist()}")
     return scale_value(scale, d)
 
 

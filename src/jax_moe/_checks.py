@@ -1,24 +1,75 @@
-"""Argument validation shared by ops.py, reference.py and pipeline.py.
+"""Argument checks of the public entry points, and the static values they yield.
+
+Each public function of jax_moe.ops and jax_moe.reference, and moe_forward /
+moe_forward_sharded, makes ONE call to an ``*_args`` function here: it checks
+every argument once and returns the normalised static values (ints, a
+``Routing``, a ``Layer``) that the unchecked implementations take. Composite
+entry points check once and compose unchecked implementations, so no
+argument is checked twice. The small checks at the top (rank, dtype, static
+ints) are the building blocks, shared with _attention_checks.py.
 
 Every check runs at trace time on shapes and dtypes only, so it costs nothing
-under jax.jit and raises before any kernel runs.
+under jax.jit and raises before any kernel runs. moe_decode's kernel limits
+live here only (``DECODE_LIMITS``, read from the extension).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe._ffi import _ext
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-# The CUDA router and index kernels keep one row of per-expert state in shared
-# memory (csrc/cuda/router.cu, token_index.cu); the same bound holds on every
-# platform so that a program never works on the CPU and fails on the GPU.
+SCORING_FUNCS = ("softmax", "sigmoid")
+# The CUDA route and token_index kernels keep one row of per-expert state in
+# shared memory; the same bound holds on every platform so that a program
+# never works on the CPU and fails on the GPU.
 MAX_EXPERTS = 3072
+# group_gemm's rows per tile. 8: the decode kernel; 16: the TMA decode kernel
+# where it can run, else the same as 8; 32, 64, 128: the mma.sync tile kernel;
+# 256: the CUTLASS sm90 kernel (wgmma + TMA; 64x128, 128x128 or 128x256
+# tiles by rows per expert) where it can run, else the same as 128.
+TILE_M = (8, 16, 32, 64, 128, 256)
+# moe_decode's kernel limits, the constants the C++ handlers enforce
+# (csrc/kernels/common/moe_decode.h, exported by the extension): max_topk,
+# max_experts, max_hidden, max_inter and the multiple that H and I must be of.
+# One token, bf16 or f16.
+DECODE_LIMITS = types.MappingProxyType({k: int(v) for k, v in _ext.DECODE_LIMITS.items()})
+DECODE_DTYPES = ("bfloat16", "float16")
 
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The router's static arguments, checked. num_expert_group = topk_group
+    = 1 when routing is not group-limited (the same choice, exactly)."""
+
+    topk: int
+    scoring_func: str = "softmax"
+    renormalize: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """The routed layer's static arguments, checked (hashable: a jit and
+    custom_vjp static argument). tile_m: (w13's, w2's), each None or TILE_M."""
+
+    routing: Routing
+    activation: str = "silu"
+    is_gated: bool = True
+    tile_m: tuple = (None, None)
+
+
+# ---- building blocks --------------------------------------------------------
 
 def rank(x, name: str, want: int) -> None:
     if jnp.ndim(x) != want:
@@ -81,13 +132,74 @@ def ids_in_range(topk_ids, num_experts: int) -> None:
             )
 
 
-# ---- per-op argument checks: ops.py and reference.py share these ----------
+def tile_m(value) -> int | None:
+    """group_gemm's tile_m: None (tuned) or one of TILE_M."""
+    if value is None:
+        return None
+    v = static_int(value, "tile_m")
+    if v not in TILE_M:
+        raise ValueError(f"tile_m must be None or one of {TILE_M}, got {value!r}")
+    return v
 
-def topk_softmax_args(router_logits, topk_value) -> int:
+
+def tile_pair(value) -> tuple:
+    """expert_mlp's tile_m: None, or (w13's, w2's) tile_m (each None or one of TILE_M)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"tile_m must be None or a pair (w13's, w2's), got {value!r}")
+    return tile_m(value[0]), tile_m(value[1])
+
+
+def _routing(experts: int, k: int, scoring_func, renormalize, num_expert_group, topk_group,
+             e_score_correction_bias, routed_scaling_factor) -> Routing:
+    """The routing options for router logits of `experts` columns and a checked topk."""
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
+    if (num_expert_group is None) != (topk_group is None):
+        raise ValueError("num_expert_group and topk_group must be given together")
+    groups, tg = 1, 1
+    if num_expert_group is not None:
+        groups = static_int(num_expert_group, "num_expert_group")
+        tg = static_int(topk_group, "topk_group")
+        if groups < 1 or experts % groups:
+            raise ValueError(
+                f"num_expert_group={groups} must be >= 1 and divide num_experts={experts}")
+        if not 1 <= tg <= groups:
+            raise ValueError(f"topk_group must be in [1, num_expert_group={groups}], got {tg}")
+        if k > tg * (experts // groups):
+            raise ValueError(
+                f"topk={k} exceeds the {tg * (experts // groups)} experts of "
+                f"topk_group={tg} groups")
+    if e_score_correction_bias is not None:
+        rank(e_score_correction_bias, "e_score_correction_bias", 1)
+        float_dtype(e_score_correction_bias, "e_score_correction_bias")
+        if e_score_correction_bias.shape[0] != experts:
+            raise ValueError(
+                f"e_score_correction_bias must have num_experts={experts} entries, "
+                f"got {e_score_correction_bias.shape[0]}")
+    try:
+        scale = float(routed_scaling_factor)
+    except TypeError:
+        raise TypeError(f"routed_scaling_factor must be a Python float, "
+                        f"got {routed_scaling_factor!r}") from None
+    return Routing(topk=k, scoring_func=scoring_func, renormalize=bool(renormalize),
+                   num_expert_group=groups, topk_group=tg, routed_scaling_factor=scale)
+
+
+# ---- the steps ----------------------------------------------------------------
+
+def route_args(router_logits, topk_value, *, scoring_func="softmax", renormalize=True,
+               num_expert_group=None, topk_group=None, e_score_correction_bias=None,
+               routed_scaling_factor=1.0) -> Routing:
+    """route's (and topk_softmax's) arguments."""
     rank(router_logits, "router_logits", 2)
     float_dtype(router_logits, "router_logits")
-    num_experts_bound(router_logits.shape[1], "router_logits' E")
-    return topk(topk_value, router_logits.shape[1])
+    experts = router_logits.shape[1]
+    num_experts_bound(experts, "router_logits' E")
+    k = topk(topk_value, experts)
+    return _routing(experts, k, scoring_func, renormalize, num_expert_group, topk_group,
+                    e_score_correction_bias, routed_scaling_factor)
 
 
 def token_index_args(topk_ids, num_experts, start_expert, num_local_experts):
@@ -112,6 +224,7 @@ def token_index_args(topk_ids, num_experts, start_expert, num_local_experts):
 
 
 def expand_args(x, dst_to_src, topk_value) -> int:
+    """moe_expand_input's arguments; returns topk."""
     rank(x, "x", 2)
     float_dtype(x, "x")
     rank(dst_to_src, "dst_to_src", 1)
@@ -122,35 +235,47 @@ def expand_args(x, dst_to_src, topk_value) -> int:
     return k
 
 
-def group_gemm_args(x, w, expert_sizes) -> None:
-    rank(x, "x", 2)
+def _weight_ranks(w, expert_sizes) -> None:
     rank(w, "w", 3)
     rank(expert_sizes, "expert_sizes", 1)
-    float_dtype(x, "x")
+
+
+def _weight_match(x, w, expert_sizes) -> None:
+    """w (E, N, K) and expert_sizes (E,) against x (M, K), all of checked rank."""
     same_dtype(x, "x", w, "w")
     int_dtype(expert_sizes, "expert_sizes")
     if w.shape[2] != x.shape[1]:
         raise ValueError(f"w must be (E, N, K={x.shape[1]}) to match x, got {w.shape}")
     if expert_sizes.shape[0] != w.shape[0]:
         raise ValueError(
-            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), got {expert_sizes.shape[0]}")
+            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), "
+            f"got {expert_sizes.shape[0]}")
 
 
-def tile_pair(value) -> tuple:
-    """expert_mlp's tile_m: None, or (w13's, w2's) tile_m (each None or one of TILE_M)."""
-    if value is None:
-        return None, None
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError(f"tile_m must be None or a pair (w13's, w2's), got {value!r}")
-    return tile_m(value[0]), tile_m(value[1])
+def group_gemm_args(x, w, expert_sizes, tile) -> int | None:
+    """group_gemm's arguments; returns tile_m (None: tuned)."""
+    rank(x, "x", 2)
+    _weight_ranks(w, expert_sizes)
+    float_dtype(x, "x")
+    _weight_match(x, w, expert_sizes)
+    return tile_m(tile)
+
+
+def group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk_value, tile) -> tuple:
+    """group_gemm_gather's arguments; returns (topk, tile_m)."""
+    k = expand_args(x, dst_to_src, topk_value)
+    _weight_ranks(w, expert_sizes)
+    _weight_match(x, w, expert_sizes)
+    return k, tile_m(tile)
 
 
 def expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk_value, activation_name: str,
-                    is_gated: bool) -> tuple[int, int]:
-    """(topk, activation code) of expert_mlp's arguments, checked."""
+                    is_gated: bool, tile) -> tuple:
+    """expert_mlp's arguments; returns (topk, (w13's, w2's) tile_m)."""
     k = expand_args(x, dst_to_src, topk_value)
-    group_gemm_args(x, w13, expert_sizes)
-    code = activation(activation_name)
+    _weight_ranks(w13, expert_sizes)
+    _weight_match(x, w13, expert_sizes)
+    activation(activation_name)
     if not isinstance(is_gated, bool):
         raise TypeError(f"is_gated must be a bool, got {type(is_gated).__name__}")
     rank(w2, "w2", 3)
@@ -161,34 +286,17 @@ def expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk_value, activation
     inter = up_width // 2 if is_gated else up_width
     if w2.shape != (experts, hidden, inter):
         raise ValueError(f"w2 must be (E={experts}, H={hidden}, I={inter}), got {w2.shape}")
-    return k, code
+    return k, tile_pair(tile)
 
 
-# group_gemm's rows per tile. 8: the decode kernel; 16: the TMA decode kernel
-# where it can run, else the same as 8; 32, 64, 128: the mma.sync tile kernel;
-# 256: the CUTLASS sm90 kernel (wgmma + TMA; 64x128, 128x128 or 128x256
-# tiles by rows per expert) where it can run, else the same as 128.
-TILE_M = (8, 16, 32, 64, 128, 256)
-
-
-def tile_m(value) -> int | None:
-    """group_gemm's tile_m: None (tuned) or one of TILE_M."""
-    if value is None:
-        return None
-    v = static_int(value, "tile_m")
-    if v not in TILE_M:
-        raise ValueError(f"tile_m must be None or one of {TILE_M}, got {value!r}")
-    return v
-
-
-def activation_args(h, name: str, gated: bool = True) -> int:
-    code = activation(name)
+def activation_args(h, name: str, gated: bool) -> None:
+    """gated_activation's (gated) and activation's arguments."""
+    activation(name)
     if jnp.ndim(h) < 1:
         raise ValueError("h must have at least one dimension")
     float_dtype(h, "h")
     if gated and h.shape[-1] % 2:
         raise ValueError(f"h's last dimension must be even (2*I), got {h.shape[-1]}")
-    return code
 
 
 def combine_args(y, topk_weights, src_to_dst) -> None:
@@ -204,47 +312,10 @@ def combine_args(y, topk_weights, src_to_dst) -> None:
             f"src_to_dst must have T*topk={tokens * k} entries, got {src_to_dst.shape[0]}")
 
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+# ---- the routed layer -----------------------------------------------------------
 
-
-def route_args(router_logits, topk_value, scoring_func, num_expert_group, topk_group,
-               e_score_correction_bias, routed_scaling_factor):
-    """Checks the router's arguments; returns (k, groups, topk_group, scale)
-    with groups = topk_group = 1 when routing is not group-limited."""
-    k = topk_softmax_args(router_logits, topk_value)
-    experts = router_logits.shape[1]
-    if scoring_func not in SCORING_FUNCS:
-        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
-    if (num_expert_group is None) != (topk_group is None):
-        raise ValueError("num_expert_group and topk_group must be given together")
-    groups, tg = 1, 1
-    if num_expert_group is not None:
-        groups = static_int(num_expert_group, "num_expert_group")
-        tg = static_int(topk_group, "topk_group")
-        if groups < 1 or experts % groups:
-            raise ValueError(
-                f"num_expert_group={groups} must be >= 1 and divide num_experts={experts}")
-        if not 1 <= tg <= groups:
-            raise ValueError(f"topk_group must be in [1, num_expert_group={groups}], got {tg}")
-        if k > tg * (experts // groups):
-            raise ValueError(
-                f"topk={k} exceeds the {tg * (experts // groups)} experts of topk_group={tg} groups")
-    if e_score_correction_bias is not None:
-        rank(e_score_correction_bias, "e_score_correction_bias", 1)
-        float_dtype(e_score_correction_bias, "e_score_correction_bias")
-        if e_score_correction_bias.shape[0] != experts:
-            raise ValueError(
-                f"e_score_correction_bias must have num_experts={experts} entries, "
-                f"got {e_score_correction_bias.shape[0]}")
-    try:
-        scale = float(routed_scaling_factor)
-    except TypeError:
-        raise TypeError(f"routed_scaling_factor must be a Python float, got {routed_scaling_factor!r}") from None
-    return k, groups, tg, scale
-
-
-def layer_args(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output=None, *,
-               is_gated: bool = True):
+def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output,
+                  is_gated: bool) -> int:
     """Shapes and dtypes of the routed layer; returns topk as an int."""
     rank(hidden_states, "hidden_states", 2)
     rank(router_logits, "router_logits", 2)
@@ -263,7 +334,8 @@ def layer_args(hidden_states, router_logits, w13, w2, topk_value, shared_expert_
         raise ValueError(
             f"router_logits has E={router_logits.shape[1]} experts but w13 has {experts}")
     if h13 != hidden:
-        raise ValueError(f"w13 must be (E, {'2*I' if is_gated else 'I'}, H={hidden}), got {w13.shape}")
+        up = "2*I" if is_gated else "I"
+        raise ValueError(f"w13 must be (E, {up}, H={hidden}), got {w13.shape}")
     if is_gated and up_width % 2:
         raise ValueError(f"w13's second dimension must be 2*I (even), got {up_width}")
     inter = up_width // 2 if is_gated else up_width
@@ -273,31 +345,110 @@ def layer_args(hidden_states, router_logits, w13, w2, topk_value, shared_expert_
     k = topk(topk_value, experts)
     if shared_expert_output is not None and shared_expert_output.shape != (tokens, hidden):
         raise ValueError(
-            f"shared_expert_output must be (T={tokens}, H={hidden}), got {shared_expert_output.shape}")
+            f"shared_expert_output must be (T={tokens}, H={hidden}), "
+            f"got {shared_expert_output.shape}")
     return k
 
 
-# moe_decode's kernel limits (csrc/shape_checks.h, CheckMoeDecode): one token,
-# bf16/f16, H a multiple of 256 up to 2048, I a multiple of 256 up to 1024,
-# topk <= 8, E <= 1024.
-DECODE_DTYPES = ("bfloat16", "float16")
+def _layer_routing(router_logits, k, scoring_func, renormalize, num_expert_group, topk_group,
+                   e_score_correction_bias, routed_scaling_factor) -> Routing:
+    """The layer's routing options; router_logits' rank and dtype are checked."""
+    experts = router_logits.shape[1]
+    num_experts_bound(experts, "router_logits' E")
+    return _routing(experts, k, scoring_func, renormalize, num_expert_group, topk_group,
+                    e_score_correction_bias, routed_scaling_factor)
+
+
+def _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated) -> None:
+    if (shared_w13 is None) != (shared_w2 is None):
+        raise ValueError("shared_w13 and shared_w2 must be given together")
+    if shared_w13 is None:
+        if shared_gate is not None:
+            raise ValueError("shared_gate needs shared_w13 and shared_w2")
+        return
+    hidden = hidden_states.shape[1]
+    rank(shared_w13, "shared_w13", 2)
+    rank(shared_w2, "shared_w2", 2)
+    same_dtype(hidden_states, "hidden_states", shared_w13, "shared_w13")
+    same_dtype(hidden_states, "hidden_states", shared_w2, "shared_w2")
+    up_width = shared_w13.shape[0]
+    if shared_w13.shape[1] != hidden or (is_gated and up_width % 2):
+        raise ValueError(
+            f"shared_w13 must be ({'2*I_s' if is_gated else 'I_s'}, H={hidden}), "
+            f"got {shared_w13.shape}")
+    inter = up_width // 2 if is_gated else up_width
+    if shared_w2.shape != (hidden, inter):
+        raise ValueError(f"shared_w2 must be (H={hidden}, I_s={inter}), got {shared_w2.shape}")
+    if shared_gate is not None and shared_gate.size != hidden:
+        raise ValueError(
+            f"shared_gate must hold H={hidden} values ((H,) or (1, H)), got {shared_gate.shape}")
+
+
+def moe_layer_args(hidden_states, router_logits, w13, w2, topk_value, *, scoring_func,
+                   renormalize, num_expert_group, topk_group, e_score_correction_bias,
+                   routed_scaling_factor, activation_name, is_gated, tile) -> Layer:
+    """moe_layer's arguments."""
+    k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, None, is_gated)
+    routing = _layer_routing(router_logits, k, scoring_func, renormalize, num_expert_group,
+                             topk_group, e_score_correction_bias, routed_scaling_factor)
+    activation(activation_name)
+    return Layer(routing=routing, activation=activation_name, is_gated=bool(is_gated),
+                 tile_m=tile_pair(tile))
+
+
+def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormalize,
+                 activation_name, is_gated, scoring_func, num_expert_group, topk_group,
+                 e_score_correction_bias, routed_scaling_factor, shared_w13=None,
+                 shared_w2=None, shared_gate=None, shared_expert_output=None) -> Layer:
+    """moe_forward's (and moe_forward_sharded's) arguments, the shared experts included."""
+    activation(activation_name)
+    k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output,
+                      is_gated)
+    routing = _layer_routing(router_logits, k, scoring_func, renormalize, num_expert_group,
+                             topk_group, e_score_correction_bias, routed_scaling_factor)
+    _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
+    return Layer(routing=routing, activation=activation_name, is_gated=bool(is_gated))
 
 
 def decode_limits(hidden_states, w13, w2, k: int) -> str | None:
-    """Why moe_decode cannot take this (already shape-checked) layer, or None."""
+    """Why moe_decode cannot take this (already checked) layer, or None. A
+    query on checked shapes, not a check: it raises nothing."""
+    lim = DECODE_LIMITS
+    mult = lim["multiple"]
     tokens, hidden = hidden_states.shape
-    experts, _, _ = w13.shape
+    experts = w13.shape[0]
     inter = w2.shape[2]
     if tokens != 1:
-        return f"moe_decode takes one token: hidden_states must be (1, H), got {hidden_states.shape}"
+        return ("moe_decode takes one token: hidden_states must be (1, H), "
+                f"got {hidden_states.shape}")
     if jnp.dtype(hidden_states.dtype).name not in DECODE_DTYPES:
         return f"moe_decode needs bfloat16 or float16 hidden_states, got {hidden_states.dtype}"
-    if hidden % 256 or not 256 <= hidden <= 2048:
-        return f"moe_decode needs H a multiple of 256 in [256, 2048], got H={hidden}"
-    if inter % 256 or not 256 <= inter <= 1024:
-        return f"moe_decode needs I a multiple of 256 in [256, 1024], got I={inter}"
-    if k > 8:
-        return f"moe_decode needs topk <= 8, got topk={k}"
-    if experts > 1024:
-        return f"moe_decode needs at most 1024 experts, got E={experts}"
+    if hidden % mult or not mult <= hidden <= lim["max_hidden"]:
+        return (f"moe_decode needs H a multiple of {mult} in [{mult}, {lim['max_hidden']}], "
+                f"got H={hidden}")
+    if inter % mult or not mult <= inter <= lim["max_inter"]:
+        return (f"moe_decode needs I a multiple of {mult} in [{mult}, {lim['max_inter']}], "
+                f"got I={inter}")
+    if k > lim["max_topk"]:
+        return f"moe_decode needs topk <= {lim['max_topk']}, got topk={k}"
+    if experts > lim["max_experts"]:
+        return f"moe_decode needs at most {lim['max_experts']} experts, got E={experts}"
     return None
+
+
+def moe_decode_args(hidden_states, router_logits, w13, w2, topk_value, *, renormalize,
+                    routed_scaling_factor) -> Routing:
+    """moe_decode's arguments, its kernel's limits included (softmax routing)."""
+    k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, None, True)
+    routing = _layer_routing(router_logits, k, "softmax", renormalize, None, None, None,
+                             routed_scaling_factor)
+    why = decode_limits(hidden_states, w13, w2, k)
+    if why is not None:
+        raise ValueError(why)
+    return routing
+
+
+def decode_supported(hidden_states, router_logits, w13, w2, topk_value) -> bool:
+    """moe_decode_supported's arguments checked; whether the kernel takes them."""
+    k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, None, True)
+    return decode_limits(hidden_states, w13, w2, k) is None

@@ -43,17 +43,15 @@ __all__ = ["write_kv", "paged_decode_attention", "prefill_attention", "prefill_p
            "DECODE_MAX_SPLIT_TOKENS"]
 
 # Tokens per split of the flash-decoding kernel: a multiple of
-# DECODE_SPLIT_UNIT, at most DECODE_MAX_SPLIT_TOKENS (csrc/attention_checks.h).
+# DECODE_SPLIT_UNIT, at most DECODE_MAX_SPLIT_TOKENS (csrc/kernels/common/attention.h).
 DECODE_SPLIT_UNIT: int = int(_ffi._ext.DECODE_SPLIT_UNIT)
 DECODE_MAX_SPLIT_TOKENS: int = int(_ffi._ext.DECODE_MAX_SPLIT_TOKENS)
 # The automatic split: the longest of 256 .. DECODE_MAX_SPLIT_TOKENS tokens
 # that still gives the GPU this many blocks (about 5 waves of its 3 blocks
 # per SM on an H200: longer splits amortise each block's start and merge and
 # write fewer partial results; fewer, longer blocks leave a ragged last wave.
-# scripts/decode_attn_bench.cu on H200s, 2026-11-30, B=64 L=4096 / B=8
-# L=32768: 1024-token splits (2048 blocks) read at 4.05 / 4.04 TB/s where
-# 2048-token splits read at 3.98 / 4.00; on another instance 3.97-3.99
-# against 3.91-3.93).
+# Measured on the H200: 1024-token splits (2048 blocks) read faster than
+# 2048-token splits; see docs/performance.md).
 _DECODE_MIN_BLOCKS = 2048
 
 
@@ -172,7 +170,8 @@ def prefill_path(q, k, v, cu_seqlens, *, causal=True, scale=None, implementation
     _ac.prefill_args(q, k, v, cu_seqlens, scale)
     m = _ac.prefill_max_seqlen(q, cu_seqlens, max_seqlen)
     if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(
+            f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
     impl = implementation if implementation is not None else ("cudnn" if _cudnn_ok(q) else "xla")
     return impl if m is None else impl + "_padded"
 

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.pipeline import MoEConfig
+from jax_moe.layer import MoEConfig
 
 __all__ = ["convert_moe_block", "config_from_hf", "detect_layout", "LAYOUTS"]
 

@@ -20,8 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moe import convert
-from jax_moe.pipeline import _BACKENDS, MoEConfig, moe_forward
+from jax_moe import backends, convert
+from jax_moe.layer import MoEConfig, moe_forward
 
 __all__ = ["MoE", "Buffer"]
 
@@ -70,9 +70,9 @@ class MoE(nnx.Module):
 
     Gradients: both backends are differentiable (``jax.grad``, ``nnx.grad``,
     training with optax). The "ffi" backend runs the forward on the FFI
-    kernels and, having no backward kernels yet, takes the VJP of the
+    kernels and, having no backward kernels, takes the VJP of the
     reference layer (``reference``'s jax.numpy implementation, recomputed in
-    the backward pass; see ``pipeline._ffi_layer``), so its gradients are
+    the backward pass; see ``jax_moe.moe_forward``), so its gradients are
     those of the reference layer exactly. Routing is a discrete choice:
     gradients reach the router through the chosen experts' weights only.
     """
@@ -81,8 +81,7 @@ class MoE(nnx.Module):
                  param_dtype=jnp.float32, backend: str = "ffi", kernel_init=None):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a jax_moe.MoEConfig, got {type(config).__name__}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        backends.get(backend)  # raises ValueError for an unknown backend
         self.config = config
         self.backend = backend
         self.dtype = jnp.dtype(dtype)

@@ -11,8 +11,9 @@ output, equal to ``moe_forward`` on one device. Inside one ``jax.shard_map``:
   activation stays local) and the matching I columns of w2. Each device's w2
   GEMM is then a partial sum over I, reduced once at the end.
 
-Every device runs its local experts through the same seven ops as
-``moe_forward`` (the FFI custom calls, or reference.py), so the custom calls
+Every device runs its local experts through the same seven steps as
+``moe_forward`` (the FFI custom calls, or jax_moe.reference; jax_moe.backends'
+unchecked steps, the arguments checked once on the global shapes), so the custom calls
 only ever see per-device shapes. All communication is jax.lax collectives:
 
 * ``strategy="allgather"``: one all-gather of the tokens (with their routing)
@@ -31,7 +32,7 @@ only ever see per-device shapes. All communication is jax.lax collectives:
 Routing metadata (top-k weights and expert ids) travels inside the same
 collective as the token rows, bit-cast to unsigned integers and appended as a
 few extra rows, so each strategy issues exactly the collectives listed above
-(docs/parallel.md counts them; tests/test_parallel.py checks the HLO).
+(docs/parallel.md counts them; tests/layer/test_parallel.py checks the HLO).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moe import _checks
-from jax_moe.pipeline import _BACKENDS
+from jax_moe import _checks, backends
 
 __all__ = ["moe_forward_sharded", "moe_shardings", "STRATEGIES", "AUTO_ALLGATHER_MAX_EP"]
 
@@ -83,14 +83,17 @@ class _Plan:
     tokens: int             # T (global, unpadded)
     experts: int            # E
     inter: int              # I
-    topk: int
-    renormalize: bool
+    routing: _checks.Routing  # checked; num_expert_group = topk_group = 1 when not grouped
     activation: str
     backend: str
-    scoring_func: str = "softmax"
-    num_expert_group: int | None = None
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
+
+    @property
+    def topk(self):
+        return self.routing.topk
+
+    @property
+    def renormalize(self):
+        return self.routing.renormalize
 
     @property
     def token_axes(self):
@@ -125,17 +128,14 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
                renormalize, activation, shared_expert_output, backend, strategy, routing=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+    backends.get(backend)  # raises ValueError for an unknown backend
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
-    _checks.activation(activation)
     w13_3d = _w13_as_3d(w13)
-    k = _checks.layer_args(hidden_states, router_logits, w13_3d, w2, topk, shared_expert_output)
-    routing = routing or _PLAIN_ROUTING
-    _, groups, tg, scale = _checks.route_args(
-        router_logits, k, routing["scoring_func"], routing["num_expert_group"],
-        routing["topk_group"], routing["e_score_correction_bias"], routing["routed_scaling_factor"])
+    spec = _checks.forward_args(hidden_states, router_logits, w13_3d, w2, topk,
+                                renormalize=renormalize, activation_name=activation,
+                                is_gated=True, shared_expert_output=shared_expert_output,
+                                **(routing or _PLAIN_ROUTING))
 
     ep = _resolve_axis(mesh, ep_axis, "ep_axis")
     tp = _resolve_axis(mesh, tp_axis, "tp_axis")
@@ -156,11 +156,8 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
     if strategy == "auto":
         strategy = "allgather" if n_ep <= AUTO_ALLGATHER_MAX_EP else "all_to_all"
     return _Plan(mesh=mesh, ep=ep, tp=tp, n_ep=n_ep, n_tp=n_tp, strategy=strategy,
-                 tokens=hidden_states.shape[0], experts=experts, inter=inter, topk=k,
-                 renormalize=bool(renormalize), activation=activation, backend=backend,
-                 scoring_func=routing["scoring_func"],
-                 num_expert_group=groups if groups > 1 else None,
-                 topk_group=tg if groups > 1 else None, routed_scaling_factor=scale)
+                 tokens=hidden_states.shape[0], experts=experts, inter=inter,
+                 routing=spec.routing, activation=activation, backend=backend)
 
 
 def _w13_as_3d(w13):
@@ -206,8 +203,9 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
 
     strategy: "allgather", "all_to_all" or "auto" ("allgather" for ep <= 8).
     Both are dropless. Jittable: topk and every keyword argument except
-    shared_expert_output and e_score_correction_bias are static Python values. Called eagerly with arrays
-    committed to other devices (e.g. one device), it moves them onto the mesh.
+    shared_expert_output and e_score_correction_bias are static Python values.
+    Called eagerly with arrays committed to other devices (e.g. one device), it
+    moves them onto the mesh.
     """
     routing = dict(scoring_func=scoring_func, num_expert_group=num_expert_group,
                    topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
@@ -299,7 +297,7 @@ def _forward(hidden_states, router_logits, w13, w2, shared, bias, *, plan: _Plan
 def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bool):
     """One device: x (T_loc, H), logits (T_loc, E), w13 (E_loc, 2, I_loc, H),
     w2 (E_loc, H, I_loc) -> (T_loc, H)."""
-    impl = _BACKENDS[plan.backend]
+    steps = backends.steps(plan.backend)
     k = plan.topk
     t_loc, hidden = x.shape
     e_loc = plan.local_experts
@@ -307,10 +305,7 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bo
 
     shared = rest[0] if has_shared else None
     bias = rest[-1] if has_bias else None
-    weights, ids = impl.route(
-        logits, k, scoring_func=plan.scoring_func, renormalize=plan.renormalize,
-        num_expert_group=plan.num_expert_group, topk_group=plan.topk_group,
-        e_score_correction_bias=bias, routed_scaling_factor=plan.routed_scaling_factor)
+    weights, ids = steps.route(logits, bias, plan.routing)
     if plan.tokens % plan.mesh.size:
         # Rows past T are padding. Their ids become E, an expert no ep rank owns:
         # every moe_compute_token_index below drops them (src_to_dst = -1).
@@ -324,22 +319,22 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bo
     # with num_experts = E_loc: local experts land in [0, E_loc), every other
     # rank's experts (and the sentinel E) fall outside it, and the index kernels
     # drop out-of-range ids in-kernel (src_to_dst = -1, not placed; the same in
-    # reference.py). The eager range check in ops.py only looks at concrete
-    # arrays; these are tracers.
+    # jax_moe.reference). The token index runs unchecked here (the arguments were
+    # checked on the global shapes), so no eager range check applies.
     rank = jax.lax.axis_index(plan.ep) if plan.n_ep > 1 else 0
 
     if plan.strategy == "allgather":
         axes = tuple(a for a, n in ((plan.ep, plan.n_ep), (plan.tp, plan.n_tp)) if n > 1)
         xg, wg, idg = _gather_tokens(x, weights, ids, axes, plan)
-        y = _local_experts(impl, xg, wg, idg - rank * e_loc, w13, w2, plan)
+        y = _local_experts(steps, xg, wg, idg - rank * e_loc, w13, w2, plan)
     else:
         axes = (plan.tp,) if plan.n_tp > 1 else ()
         xg, wg, idg = _gather_tokens(x, weights, ids, axes, plan)
         if plan.n_ep > 1:
-            y = _expert_all_to_all(impl, xg, wg, idg, rank, w13, w2, plan,
+            y = _expert_all_to_all(steps, xg, wg, idg, rank, w13, w2, plan,
                                    real_rows=plan.n_tp * t_loc)
         else:
-            y = _local_experts(impl, xg, wg, idg, w13, w2, plan)
+            y = _local_experts(steps, xg, wg, idg, w13, w2, plan)
     if axes:
         # The partial sums (other ranks' experts, other I slices) meet here: one
         # reduce-scatter returns each device its own rows, fully summed.
@@ -350,23 +345,26 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bo
     return y.astype(x.dtype)
 
 
-def _local_experts(impl, x, weights, local_ids, w13, w2, plan: _Plan):
+def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: _Plan):
     """This device's experts (and I slice) for the tokens x (N, H), routed by
     local_ids (N, k) (entries outside [0, E_loc) are other ranks' and are not
-    placed) -> (N, H): each token's weighted sum over its local experts."""
+    placed) -> (N, H): each token's weighted sum over its local experts.
+    steps: the backend's unchecked steps (backends.steps); the arguments were
+    checked once, on the global shapes, by _make_plan."""
     e_loc = plan.local_experts
     k = plan.topk
-    src_to_dst, dst_to_src, sizes = impl.moe_compute_token_index(local_ids, e_loc)
+    src_to_dst, dst_to_src, sizes = steps.token_index(local_ids, e_loc, 0, e_loc)
     # A token's k ids are distinct (top-k), so at most min(k, E_loc) of them are
     # local: at most N * min(k, E_loc) rows are placed, and dst_to_src is -1
     # past them. Shorter buffers for the GEMMs when E_loc < k.
     rows = x.shape[0] * min(k, e_loc)
-    y = impl.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
-                        activation=plan.activation)
-    return impl.moe_combine(y, weights, src_to_dst)
+    y = steps.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
+                         plan.activation, True, (None, None))
+    return steps.combine(y, weights, src_to_dst)
 
 
-def _expert_all_to_all(impl, x, weights, ids, rank, w13, w2, plan: _Plan, real_rows: int):
+def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, plan: _Plan,
+                       real_rows: int):
     """The all_to_all dispatch over ep. x (N, H), weights/ids (N, k) global ->
     (N, H), each token summed over all its experts (for this device's I slice).
 
@@ -384,7 +382,7 @@ def _expert_all_to_all(impl, x, weights, ids, rank, w13, w2, plan: _Plan, real_r
     pair_ids = jnp.where(needs, dest[None, :], jnp.int32(-1))
     # A stable counting sort of the (token, rank) pairs by rank, with the same op:
     # the pairs for rank r, in token order, are its slots 0 .. count_r - 1.
-    pair_to_pos, pos_to_pair, counts = impl.moe_compute_token_index(pair_ids, n_ep)
+    pair_to_pos, pos_to_pair, counts = steps.token_index(pair_ids, n_ep, 0, n_ep)
     first = jnp.cumsum(counts) - counts
     slot = jnp.arange(cap, dtype=jnp.int32)
     pos = jnp.minimum(first[:, None] + slot[None, :], n * n_ep - 1)
@@ -399,7 +397,7 @@ def _expert_all_to_all(impl, x, weights, ids, rank, w13, w2, plan: _Plan, real_r
     empty = _meta_words(jnp.zeros((k,), jnp.float32), jnp.full((k,), plan.experts, jnp.int32), udt)
     slot_meta = jnp.where((send_pair >= 0)[..., None], meta_words[send_tok], empty)
     d2s = jnp.concatenate([send_pair, jnp.full((n_ep, extra), -1, jnp.int32)], axis=1)
-    send = impl.moe_expand_input(x, d2s.reshape(-1), n_ep)  # row = x[pair // n_ep], or 0
+    send = steps.expand(x, d2s.reshape(-1), n_ep)  # row = x[pair // n_ep], or 0
     send = _to_bits(send).reshape(n_ep, cap + extra, hidden)
     send = send.at[:, cap:, :].set(_meta_rows(slot_meta, hidden))
     recv = jax.lax.all_to_all(send, plan.ep, 0, 0, tiled=True)  # recv[s] = from rank s
@@ -408,7 +406,7 @@ def _expert_all_to_all(impl, x, weights, ids, rank, w13, w2, plan: _Plan, real_r
     recv_w = _pad_rows(recv_w, extra, 0.0).reshape(-1, k)
     recv_ids = _pad_rows(recv_ids, extra, plan.experts).reshape(-1, k)
     recv_x = _from_bits(recv.reshape(-1, hidden), x.dtype)
-    y = _local_experts(impl, recv_x, recv_w, recv_ids - rank * e_loc, w13, w2, plan)
+    y = _local_experts(steps, recv_x, recv_w, recv_ids - rank * e_loc, w13, w2, plan)
     back = jax.lax.all_to_all(y.reshape(n_ep, cap + extra, hidden), plan.ep, 0, 0, tiled=True)
 
     # Token t's result from rank r is in back[r, slot of pair (t, r)]: sum over r.
@@ -416,7 +414,7 @@ def _expert_all_to_all(impl, x, weights, ids, rank, w13, w2, plan: _Plan, real_r
     pair_slot = jnp.where(pair_to_pos >= 0,
                           pair_rank * (cap + extra) + pair_to_pos - first[pair_rank], -1)
     ones = jnp.ones((n, n_ep), jnp.float32)
-    return impl.moe_combine(back.reshape(-1, hidden), ones, pair_slot)
+    return steps.combine(back.reshape(-1, hidden), ones, pair_slot)
 
 
 # ------------------------------------------- tokens + routing in one collective

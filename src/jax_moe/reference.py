@@ -3,6 +3,10 @@
 The test oracle for every kernel, and a fallback users can pick with
 ``moe_forward(..., backend="reference")``. Signatures and semantics match
 ``jax_moe.ops`` exactly (same validation, same -1 conventions).
+
+As in jax_moe.ops, each public twin checks its arguments once (jax_moe._checks)
+and calls its unchecked twin (``_route``, ``_token_index``, ...); the layer
+twins compose the unchecked twins.
 """
 
 from __future__ import annotations
@@ -30,11 +34,6 @@ __all__ = [
 ]
 
 
-def topk_softmax(router_logits, topk: int, renormalize: bool = True):
-    """Step 1 as in the original pipeline: route() with softmax scoring."""
-    return route(router_logits, topk, renormalize=renormalize)
-
-
 def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
           num_expert_group: int | None = None, topk_group: int | None = None,
           e_score_correction_bias=None, routed_scaling_factor: float = 1.0):
@@ -49,13 +48,111 @@ def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormaliz
     groups the choice is made on the logits themselves (the same order,
     exactly). -> (weights (T, k) float32, ids (T, k) int32).
     """
-    k, groups, tg, scale = _checks.route_args(
-        router_logits, topk, scoring_func, num_expert_group, topk_group,
-        e_score_correction_bias, routed_scaling_factor)
+    routing = _checks.route_args(
+        router_logits, topk, scoring_func=scoring_func, renormalize=renormalize,
+        num_expert_group=num_expert_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor)
+    return _route(router_logits, e_score_correction_bias, routing)
+
+
+def topk_softmax(router_logits, topk: int, renormalize: bool = True):
+    """Step 1 with softmax scoring: route(router_logits, topk, renormalize=renormalize)."""
+    return _route(router_logits, None, _checks.route_args(router_logits, topk,
+                                                          renormalize=renormalize))
+
+
+def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0,
+                            num_local_experts: int | None = None):
+    num_experts, start, local = _checks.token_index_args(
+        topk_ids, num_experts, start_expert, num_local_experts)
+    return _token_index(topk_ids, num_experts, start, local)
+
+
+def moe_expand_input(x, dst_to_src, topk: int):
+    return _expand(x, dst_to_src, _checks.expand_args(x, dst_to_src, topk))
+
+
+def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
+    """jax.lax.ragged_dot, accumulating in f32 (the pure-JAX grouped GEMM).
+    tile_m is accepted for signature parity with ops and checked, not used."""
+    _checks.group_gemm_args(x, w, expert_sizes, tile_m)
+    return _group_gemm(x, w, expert_sizes)
+
+
+def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
+    """Steps 3 and 4: group_gemm of the expanded rows of x."""
+    k, _ = _checks.group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk, tile_m)
+    return _group_gemm(_expand(x, dst_to_src, k), w, expert_sizes)
+
+
+def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
+               is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 3-6: the w13 GEMM of the expanded rows, the activation, the w2 GEMM."""
+    k, tiles = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
+                                       is_gated, tile_m)
+    return _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated, tiles)
+
+
+def gated_activation(h, activation: str = "silu"):
+    _checks.activation_args(h, activation, gated=True)
+    return _activation(h, activation, True)
+
+
+def activation(h, activation: str = "silu"):
+    _checks.activation_args(h, activation, gated=False)
+    return _activation(h, activation, False)
+
+
+def silu_and_mul(h):
+    _checks.activation_args(h, "silu", gated=True)
+    return _activation(h, "silu", True)
+
+
+def gelu_and_mul(h, approximate: bool = False):
+    name = "gelu_tanh" if approximate else "gelu"
+    _checks.activation_args(h, name, gated=True)
+    return _activation(h, name, True)
+
+
+def moe_combine(y, topk_weights, src_to_dst):
+    _checks.combine_args(y, topk_weights, src_to_dst)
+    return _combine(y, topk_weights, src_to_dst)
+
+
+def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func: str = "softmax",
+              renormalize: bool = True, num_expert_group: int | None = None,
+              topk_group: int | None = None, e_score_correction_bias=None,
+              routed_scaling_factor: float = 1.0, activation: str = "silu",
+              is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 1-7: route, token index, expert_mlp, combine (tile_m is checked, not used)."""
+    spec = _checks.moe_layer_args(
+        hidden_states, router_logits, w13, w2, topk, scoring_func=scoring_func,
+        renormalize=renormalize, num_expert_group=num_expert_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor, activation_name=activation,
+        is_gated=is_gated, tile=tile_m)
+    return _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias, spec)
+
+
+def moe_decode(hidden_states, router_logits, w13, w2, topk: int, *, renormalize: bool = True,
+               routed_scaling_factor: float = 1.0):
+    """ops.moe_decode's twin: moe_layer with softmax routing and SiLU, for
+    one token, with moe_decode's limits."""
+    routing = _checks.moe_decode_args(hidden_states, router_logits, w13, w2, topk,
+                                      renormalize=renormalize,
+                                      routed_scaling_factor=routed_scaling_factor)
+    return _moe_decode(hidden_states, router_logits, w13, w2, routing)
+
+
+# ---- the unchecked twins: checked arguments, normalised static values ------------
+
+def _route(router_logits, e_score_correction_bias, r: _checks.Routing):
     tokens, experts = router_logits.shape
+    groups = r.num_expert_group
     logits = router_logits.astype(jnp.float32)
     logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # as the kernels: NaN never wins
-    if scoring_func == "softmax":
+    if r.scoring_func == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
@@ -69,22 +166,19 @@ def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormaliz
         per = experts // groups
         grouped = choice.reshape(tokens, groups, per)
         group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)
-        _, chosen = jax.lax.top_k(group_score, tg)
+        _, chosen = jax.lax.top_k(group_score, r.topk_group)
         keep = jnp.sum(jax.nn.one_hot(chosen, groups, dtype=jnp.int32), axis=1) > 0
         choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, k)
+    _, ids = jax.lax.top_k(choice, r.topk)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if renormalize:
+    if r.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    if scale != 1.0:
-        weights = weights * jnp.float32(scale)
+    if r.routed_scaling_factor != 1.0:
+        weights = weights * jnp.float32(r.routed_scaling_factor)
     return weights, ids.astype(jnp.int32)
 
 
-def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0,
-                            num_local_experts: int | None = None):
-    _, start, local = _checks.token_index_args(
-        topk_ids, num_experts, start_expert, num_local_experts)
+def _token_index(topk_ids, num_experts: int, start: int, local: int):
     flat = topk_ids.reshape(-1).astype(jnp.int32) - start
     n = flat.shape[0]
     valid = (flat >= 0) & (flat < local)
@@ -99,8 +193,7 @@ def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0
     return src_to_dst, dst_to_src, sizes
 
 
-def moe_expand_input(x, dst_to_src, topk: int):
-    k = _checks.expand_args(x, dst_to_src, topk)
+def _expand(x, dst_to_src, k: int):
     valid = (dst_to_src >= 0) & (dst_to_src < x.shape[0] * k)
     rows = x[jnp.where(valid, dst_to_src, 0) // k]
     return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
@@ -112,11 +205,7 @@ def _clamped_sizes(expert_sizes, m: int):
     return jnp.clip(end, 0, m) - jnp.clip(end - sizes, 0, m)
 
 
-def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
-    """jax.lax.ragged_dot, accumulating in f32 (the pure-JAX grouped GEMM).
-    tile_m is accepted for signature parity with ops and checked, not used."""
-    _checks.group_gemm_args(x, w, expert_sizes)
-    _checks.tile_m(tile_m)
+def _group_gemm(x, w, expert_sizes):
     sizes = _clamped_sizes(expert_sizes, x.shape[0])
     out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes,
                              preferred_element_type=jnp.float32)
@@ -126,21 +215,11 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     return out.astype(x.dtype)
 
 
-def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
-    """Steps 3 and 4: group_gemm of the expanded rows of x."""
-    _checks.group_gemm_args(x, w, expert_sizes)
-    return group_gemm(moe_expand_input(x, dst_to_src, topk), w, expert_sizes, tile_m=tile_m)
-
-
-def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
-               is_gated: bool = True, tile_m: tuple | None = None):
-    """Steps 3-6: the w13 GEMM of the expanded rows, the activation, the w2 GEMM."""
-    k, _ = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
-                                   is_gated)
-    t1, t2 = _checks.tile_pair(tile_m)
-    h = group_gemm_gather(x, w13, expert_sizes, dst_to_src, k, tile_m=t1)
-    a = gated_activation(h, activation) if is_gated else globals()["activation"](h, activation)
-    return group_gemm(a, w2, expert_sizes, tile_m=t2)
+def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,
+                tiles=(None, None)):
+    """tiles: accepted for parity with ops, not used."""
+    h = _group_gemm(_expand(x, dst_to_src, k), w13, expert_sizes)
+    return _group_gemm(_activation(h, activation, is_gated), w2, expert_sizes)
 
 
 def _act(g, activation: str):
@@ -151,28 +230,16 @@ def _act(g, activation: str):
     return jax.nn.gelu(g, approximate=True)
 
 
-def gated_activation(h, activation: str = "silu"):
-    _checks.activation_args(h, activation, gated=True)
-    inter = h.shape[-1] // 2
+def _activation(h, activation: str, gated: bool):
+    """gated_activation (gated) or activation: computed in f32, in h's dtype."""
     hf = h.astype(jnp.float32)
+    if not gated:
+        return _act(hf, activation).astype(h.dtype)
+    inter = h.shape[-1] // 2
     return (_act(hf[..., :inter], activation) * hf[..., inter:]).astype(h.dtype)
 
 
-def activation(h, activation: str = "silu"):
-    _checks.activation_args(h, activation, gated=False)
-    return _act(h.astype(jnp.float32), activation).astype(h.dtype)
-
-
-def silu_and_mul(h):
-    return gated_activation(h, "silu")
-
-
-def gelu_and_mul(h, approximate: bool = False):
-    return gated_activation(h, "gelu_tanh" if approximate else "gelu")
-
-
-def moe_combine(y, topk_weights, src_to_dst):
-    _checks.combine_args(y, topk_weights, src_to_dst)
+def _combine(y, topk_weights, src_to_dst):
     tokens, k = topk_weights.shape
     valid = (src_to_dst >= 0) & (src_to_dst < y.shape[0])
     rows = y[jnp.where(valid, src_to_dst, 0)].astype(jnp.float32).reshape(tokens, k, y.shape[1])
@@ -180,30 +247,16 @@ def moe_combine(y, topk_weights, src_to_dst):
     return jnp.sum(rows * w[..., None], axis=1).astype(y.dtype)
 
 
-def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func: str = "softmax",
-              renormalize: bool = True, num_expert_group: int | None = None,
-              topk_group: int | None = None, e_score_correction_bias=None,
-              routed_scaling_factor: float = 1.0, activation: str = "silu",
-              is_gated: bool = True, tile_m: tuple | None = None):
-    """Steps 1-7: route, token index, expert_mlp, combine (tile_m is ignored)."""
-    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk, is_gated=is_gated)
-    weights, ids = route(router_logits, k, scoring_func=scoring_func, renormalize=renormalize,
-                         num_expert_group=num_expert_group, topk_group=topk_group,
-                         e_score_correction_bias=e_score_correction_bias,
-                         routed_scaling_factor=routed_scaling_factor)
-    src_to_dst, dst_to_src, sizes = moe_compute_token_index(ids, w13.shape[0])
-    y = expert_mlp(hidden_states, w13, w2, sizes, dst_to_src, k, activation=activation,
-                   is_gated=is_gated, tile_m=tile_m)
-    return moe_combine(y, weights, src_to_dst)
+def _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
+               spec: _checks.Layer):
+    r = spec.routing
+    weights, ids = _route(router_logits, e_score_correction_bias, r)
+    src_to_dst, dst_to_src, sizes = _token_index(ids, w13.shape[0], 0, w13.shape[0])
+    y = _expert_mlp(hidden_states, w13, w2, sizes, dst_to_src, r.topk, spec.activation,
+                    spec.is_gated)
+    return _combine(y, weights, src_to_dst)
 
 
-def moe_decode(hidden_states, router_logits, w13, w2, topk: int, *, renormalize: bool = True,
-               routed_scaling_factor: float = 1.0):
-    """ops.moe_decode's twin: moe_layer with softmax routing and SiLU, for
-    one token, with moe_decode's limits."""
-    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk)
-    why = _checks.decode_limits(hidden_states, w13, w2, k)
-    if why is not None:
-        raise ValueError(why)
-    return moe_layer(hidden_states, router_logits, w13, w2, k, renormalize=renormalize,
-                     routed_scaling_factor=routed_scaling_factor)
+def _moe_decode(hidden_states, router_logits, w13, w2, r: _checks.Routing):
+    """moe_layer with softmax routing (r) and gated SiLU."""
+    return _moe_layer(hidden_states, router_logits, w13, w2, None, _checks.Layer(routing=r))

@@ -7,8 +7,8 @@ on (``tuning_tables/<device kind>.json``, written by ``python -m
 jax_moe.tune``) when it lists the problem, else by a rule on the average
 number of rows per expert (``default_tile_m``).
 
-tile_m = 16 is the TMA decode kernel (csrc/cuda/group_gemm.cu): the decode
-kernel's job, up to 16 rows per tile, with the weights streamed by the tensor
+tile_m = 16 is the TMA decode kernel (csrc/kernels/cuda/group_gemm/): the
+decode kernel's job, up to 16 rows per tile, with the weights streamed by the tensor
 memory accelerator. It runs on GPUs of compute capability 9.0 or newer for
 bf16/f16 with K a multiple of 8, when the launch has at least 6 tiles per SM
 (1.5 from K = 8192); otherwise tile_m = 16 runs the decode kernel (8). The
@@ -17,8 +17,8 @@ rule picks it wherever it would pick 8 and it is usable
 the 8 kernel at the launches too small for it; tables written before it
 existed answer 8).
 
-tile_m = 256 is the CUTLASS sm90 kernel (wgmma + TMA, csrc/cuda/
-group_gemm_sm90.cu). It is picked, by the rule or over the table, when all of
+tile_m = 256 is the CUTLASS sm90 kernel (wgmma + TMA, csrc/kernels/cuda/
+group_gemm/, the *_sm90a.cu file). It is picked, by the rule or over the table, when all of
 these hold (``sm90_usable``): the extension has it (``HAS_SM90_GEMM``), JAX's
 default backend is a GPU and device 0 has compute capability 9.0 (H100/H200:
 the kernel is sm_90a code), the dtype is bf16 or f16, N and K are multiples
@@ -64,10 +64,10 @@ TILE_M = _checks.TILE_M
 SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
 TMA_TILE = 16        # tile_m value of the TMA decode kernel
 # Rows per expert (average) up to which the rule picks the decode kernel (8);
-# above, the sm90 kernel where usable. H200, run O (2026-11-29), the GEMMs of
-# the four model shapes: from 1 to 8 rows per expert the decode kernel won 11
-# of 12 (not Qwen3-30B-A3B's down projection at 8 rows); at 32 to 64 rows the
-# sm90 kernel won all 8, by 1.2-1.8x over the best mma.sync tile.
+# above, the sm90 kernel where usable. Measured on the H200 for the GEMMs of
+# the four model shapes: up to 8 rows per expert the decode kernel is nearly
+# always the fastest, at 32 to 64 rows the sm90 kernel always is (see
+# docs/performance.md).
 DECODE_MAX_ROWS = 8
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
@@ -201,9 +201,8 @@ def group_gemm_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) 
     else default_tile_m; an answer of 128 becomes 256 where the sm90 kernel
     applies, and an answer of 8 becomes 16 where the TMA decode kernel does
     (see the module docstring). Trace-time only: no device work."""
-    chosen = _checks.tile_m(tile_m)
-    if chosen is not None:
-        return chosen
+    if tile_m is not None:
+        return _checks.tile_m(tile_m)
     sm90 = sm90_usable(n, k, dtype)
     tma = tma_decode_usable(k, dtype)
     kind = _device_kind()

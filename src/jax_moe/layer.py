@@ -1,4 +1,9 @@
-"""moe_forward: the seven steps composed, on the FFI kernels or reference.py."""
+"""moe_forward, MoEConfig and MoELayer: the routed layer (with shared experts)
+on the FFI kernels or on jax_moe.reference.
+
+moe_forward checks its arguments once (jax_moe._checks.forward_args), then
+composes the backend's unchecked steps (jax_moe.backends.steps).
+"""
 
 from __future__ import annotations
 
@@ -8,94 +13,55 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_moe import _checks, ops, reference
+from jax_moe import _checks, backends
 
 __all__ = ["moe_forward", "MoEConfig", "MoELayer"]
 
-_BACKENDS = {"ffi": ops, "reference": reference}
+_FFI = backends.steps("ffi")
+_REFERENCE = backends.steps("reference")
 
 
-def _validate_shared(hidden_states, shared_w13, shared_w2, shared_gate, is_gated):
-    if (shared_w13 is None) != (shared_w2 is None):
-        raise ValueError("shared_w13 and shared_w2 must be given together")
-    if shared_w13 is None:
-        if shared_gate is not None:
-            raise ValueError("shared_gate needs shared_w13 and shared_w2")
-        return
-    hidden = hidden_states.shape[1]
-    _checks.rank(shared_w13, "shared_w13", 2)
-    _checks.rank(shared_w2, "shared_w2", 2)
-    _checks.same_dtype(hidden_states, "hidden_states", shared_w13, "shared_w13")
-    _checks.same_dtype(hidden_states, "hidden_states", shared_w2, "shared_w2")
-    up_width = shared_w13.shape[0]
-    if shared_w13.shape[1] != hidden or (is_gated and up_width % 2):
-        raise ValueError(
-            f"shared_w13 must be ({'2*I_s' if is_gated else 'I_s'}, H={hidden}), got {shared_w13.shape}")
-    inter = up_width // 2 if is_gated else up_width
-    if shared_w2.shape != (hidden, inter):
-        raise ValueError(f"shared_w2 must be (H={hidden}, I_s={inter}), got {shared_w2.shape}")
-    if shared_gate is not None and shared_gate.size != hidden:
-        raise ValueError(f"shared_gate must hold H={hidden} values ((H,) or (1, H)), got {shared_gate.shape}")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """The non-array arguments of one layer call (hashable)."""
-
-    topk: int
-    renormalize: bool
-    activation: str
-    is_gated: bool
-    scoring_func: str
-    num_expert_group: int | None
-    topk_group: int | None
-    routed_scaling_factor: float
-
-
-def _dense_mlp(impl, x, w_up, w_down, st: _Static):
+def _dense_mlp(steps, x, w_up, w_down, spec: _checks.Layer):
     """A dense (shared) expert: x (T, H) -> (T, H), f32 accumulation."""
     h = jnp.dot(x, w_up.T, preferred_element_type=jnp.float32).astype(x.dtype)
-    a = impl.gated_activation(h, st.activation) if st.is_gated else impl.activation(h, st.activation)
+    a = steps.activation(h, spec.activation, spec.is_gated)
     return jnp.dot(a, w_down.T, preferred_element_type=jnp.float32)
 
 
-def _decode_applies(st: _Static, a: dict) -> bool:
+def _decode_applies(spec: _checks.Layer, a: dict) -> bool:
     """Whether ops.moe_decode computes this layer: softmax routing without
     groups or bias, gated SiLU, and the kernel's shape limits."""
-    if (st.scoring_func != "softmax" or st.num_expert_group is not None
-            or a["e_score_correction_bias"] is not None or st.activation != "silu"
-            or not st.is_gated):
+    r = spec.routing
+    if (r.scoring_func != "softmax" or r.num_expert_group != 1
+            or a["e_score_correction_bias"] is not None or spec.activation != "silu"
+            or not spec.is_gated):
         return False
     # moe_forward has checked the arguments; only the kernel's limits remain.
-    return _checks.decode_limits(a["hidden_states"], a["w13"], a["w2"], st.topk) is None
+    return _checks.decode_limits(a["hidden_states"], a["w13"], a["w2"], r.topk) is None
 
 
-def _layer(impl, st: _Static, a: dict):
-    """The layer on one backend; `a` holds the arrays (None where absent)."""
+def _layer(steps, spec: _checks.Layer, a: dict):
+    """The layer on one backend's unchecked steps; `a` holds the arrays (None
+    where absent)."""
     x = a["hidden_states"]
+    bias = a["e_score_correction_bias"]
 
-    def steps(x, logits, w13, w2):  # steps 1-7, one call on the ffi backend
-        return impl.moe_layer(
-            x, logits, w13, w2, st.topk, scoring_func=st.scoring_func,
-            renormalize=st.renormalize, num_expert_group=st.num_expert_group,
-            topk_group=st.topk_group, e_score_correction_bias=a["e_score_correction_bias"],
-            routed_scaling_factor=st.routed_scaling_factor, activation=st.activation,
-            is_gated=st.is_gated)
+    def routed(x, logits, w13, w2):  # steps 1-7, one call on the ffi backend
+        return steps.moe_layer(x, logits, w13, w2, bias, spec)
 
     def decode(x, logits, w13, w2):  # one token, the whole layer in one kernel
-        return ops.moe_decode(x, logits, w13, w2, st.topk, renormalize=st.renormalize,
-                              routed_scaling_factor=st.routed_scaling_factor)
+        return steps.moe_decode(x, logits, w13, w2, spec.routing)
 
     args = (x, a["router_logits"], a["w13"], a["w2"])
-    if impl is ops and _decode_applies(st, a):
+    if steps is _FFI and _decode_applies(spec, a):
         # The GPU takes the one-kernel decode; other platforms keep moe_layer's bits.
-        out = jax.lax.platform_dependent(*args, cuda=decode, default=steps)
+        out = jax.lax.platform_dependent(*args, cuda=decode, default=routed)
     else:
-        out = steps(*args)
+        out = routed(*args)
 
     extra = None
     if a["shared_w13"] is not None:
-        extra = _dense_mlp(impl, x, a["shared_w13"], a["shared_w2"], st)
+        extra = _dense_mlp(steps, x, a["shared_w13"], a["shared_w2"], spec)
         if a["shared_gate"] is not None:
             gate = jnp.dot(x, a["shared_gate"].reshape(-1).astype(x.dtype),
                            preferred_element_type=jnp.float32)
@@ -108,20 +74,20 @@ def _layer(impl, st: _Static, a: dict):
     return out.astype(x.dtype)
 
 
-# The FFI kernels have no backward pass yet: under jax.grad the ffi backend
-# runs its forward through the kernels and its backward as the VJP of the
+# The FFI kernels have no backward pass: under jax.grad the ffi backend runs
+# its forward through the kernels and its backward as the VJP of the
 # reference layer (recomputed), so gradients are exact and training works.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ffi_layer(st: _Static, a: dict):
-    return _layer(ops, st, a)
+def _ffi_layer(spec: _checks.Layer, a: dict):
+    return _layer(_FFI, spec, a)
 
 
-def _ffi_layer_fwd(st, a):
-    return _layer(ops, st, a), a
+def _ffi_layer_fwd(spec, a):
+    return _layer(_FFI, spec, a), a
 
 
-def _ffi_layer_bwd(st, a, g):
-    _, vjp = jax.vjp(lambda arrays: _layer(reference, st, arrays), a)
+def _ffi_layer_bwd(spec, a, g):
+    _, vjp = jax.vjp(lambda arrays: _layer(_REFERENCE, spec, arrays), a)
     return vjp(g)
 
 
@@ -153,37 +119,34 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     computed elsewhere.
 
     backend: "ffi" (the custom calls; differentiable, with the reference
-    layer's VJP as backward) or "reference" (plain jax.numpy). Jit it with the
-    non-array arguments static: ``static_argnames=("topk", "renormalize",
-    "activation", "is_gated", "scoring_func", "num_expert_group", "topk_group",
-    "routed_scaling_factor", "backend")``.
+    layer's VJP as backward) or "reference" (plain jax.numpy); see
+    jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``
+    (softmax routing without groups or bias, gated SiLU) runs ops.moe_decode.
+    Jit it with the non-array arguments static: ``static_argnames=("topk",
+    "renormalize", "activation", "is_gated", "scoring_func", "num_expert_group",
+    "topk_group", "routed_scaling_factor", "backend")``.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-    _checks.activation(activation)
-    k = _checks.layer_args(hidden_states, router_logits, w13, w2, topk, shared_expert_output,
-                           is_gated=is_gated)
-    _, groups, tg, scale = _checks.route_args(
-        router_logits, k, scoring_func, num_expert_group, topk_group,
-        e_score_correction_bias, routed_scaling_factor)
-    _validate_shared(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
-    st = _Static(topk=k, renormalize=bool(renormalize), activation=activation,
-                 is_gated=bool(is_gated), scoring_func=scoring_func,
-                 num_expert_group=groups if groups > 1 else None,
-                 topk_group=tg if groups > 1 else None, routed_scaling_factor=scale)
+    steps = backends.steps(backend)
+    spec = _checks.forward_args(
+        hidden_states, router_logits, w13, w2, topk, renormalize=renormalize,
+        activation_name=activation, is_gated=is_gated, scoring_func=scoring_func,
+        num_expert_group=num_expert_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor, shared_w13=shared_w13, shared_w2=shared_w2,
+        shared_gate=shared_gate, shared_expert_output=shared_expert_output)
     arrays = dict(hidden_states=hidden_states, router_logits=router_logits, w13=w13, w2=w2,
                   e_score_correction_bias=e_score_correction_bias, shared_w13=shared_w13,
                   shared_w2=shared_w2, shared_gate=shared_gate,
                   shared_expert_output=shared_expert_output)
-    if backend == "reference":
-        return _layer(reference, st, arrays)
-    return _ffi_layer(st, arrays)
+    if steps is _FFI:
+        return _ffi_layer(spec, arrays)
+    return _layer(steps, spec, arrays)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """A MoE block's configuration: the original pipeline's fields plus the
-    routing and shared-expert options of Qwen2/3-MoE, Mixtral and DeepSeek-V3."""
+    """A MoE block's configuration: experts, top-k and sizes, the routing and
+    shared-expert options of Qwen2/3-MoE, Mixtral and DeepSeek-V3."""
 
     num_experts: int
     topk: int
@@ -212,9 +175,12 @@ class MoEConfig:
         _checks.topk(self.topk, self.num_experts)
         _checks.activation(self.hidden_act)
         logits = jax.ShapeDtypeStruct((1, self.num_experts), jnp.float32)
-        bias = jax.ShapeDtypeStruct((self.num_experts,), jnp.float32) if self.use_correction_bias else None
-        _checks.route_args(logits, self.topk, self.scoring_func, self.num_expert_group,
-                           self.topk_group, bias, self.routed_scaling_factor)
+        bias = (jax.ShapeDtypeStruct((self.num_experts,), jnp.float32)
+                if self.use_correction_bias else None)
+        _checks.route_args(logits, self.topk, scoring_func=self.scoring_func,
+                           renormalize=self.renormalize, num_expert_group=self.num_expert_group,
+                           topk_group=self.topk_group, e_score_correction_bias=bias,
+                           routed_scaling_factor=self.routed_scaling_factor)
 
     def forward_kwargs(self) -> dict:
         """moe_forward's static keyword arguments for this config."""
@@ -228,18 +194,19 @@ class MoELayer:
     """Holds a MoEConfig and a jitted forward (compiled once per input shape)."""
 
     def __init__(self, config: MoEConfig, backend: str = "ffi"):
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        backends.get(backend)  # raises ValueError for an unknown backend
         self.config = config
         self.backend = backend
-        self._fn = jax.jit(functools.partial(moe_forward, backend=backend, **config.forward_kwargs()))
+        self._fn = jax.jit(functools.partial(moe_forward, backend=backend,
+                                             **config.forward_kwargs()))
 
     def __call__(self, hidden_states, router_logits, w13, w2, **arrays):
         """arrays: e_score_correction_bias, shared_w13, shared_w2, shared_gate,
         shared_expert_output (as moe_forward)."""
         c = self.config
         if hidden_states.shape[-1] != c.hidden_size:
-            raise ValueError(f"hidden_states must have H={c.hidden_size}, got {hidden_states.shape}")
+            raise ValueError(
+                f"hidden_states must have H={c.hidden_size}, got {hidden_states.shape}")
         up = (2 if c.is_gated else 1) * c.intermediate_size
         if w13.shape != (c.num_experts, up, c.hidden_size):
             raise ValueError(

@@ -1,0 +1,33 @@
+"""What the step modules of jax_moe.ops share: output shapes, the router's
+operands and the grouped GEMM's tile choice."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe import tuning
+
+# The router kernels' scoring codes.
+SCORING = {"softmax": 0, "sigmoid": 1}
+
+
+def sds(shape, dtype):
+    """A ShapeDtypeStruct with Python-int dimensions (an ffi_call result)."""
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype))
+
+
+def bias_arg(e_score_correction_bias, experts: int):
+    """(has_bias, the router kernel's f32 bias operand: zeros when there is none)."""
+    if e_score_correction_bias is None:
+        return False, jnp.zeros((experts,), jnp.float32)
+    return True, jnp.asarray(e_score_correction_bias).astype(jnp.float32)
+
+
+def gemm_tile(m: int, w, dtype, tile) -> int:
+    """group_gemm's rows per tile for m rows and w (E, N, K): `tile` (checked)
+    when given, else jax_moe.tuning's choice."""
+    if tile is not None:
+        return tile
+    experts, n, k = w.shape
+    return tuning.group_gemm_tile_m(m, experts, n, k, dtype)

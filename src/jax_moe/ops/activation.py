@@ -1,0 +1,44 @@
+"""Step 5, the activation: FFI target jax_moe_activation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_moe import _checks
+from jax_moe.ops._common import sds
+
+
+def gated_activation(h, activation: str = "silu"):
+    """Step 5: act(h[..., :I]) * h[..., I:], computed in f32, in h's dtype.
+    activation: "silu", "gelu" (exact, erf) or "gelu_tanh"."""
+    _checks.activation_args(h, activation, gated=True)
+    return _activation(h, activation, True)
+
+
+def activation(h, activation: str = "silu"):
+    """Step 5 for non-gated experts: act(h) elementwise, in f32, in h's dtype."""
+    _checks.activation_args(h, activation, gated=False)
+    return _activation(h, activation, False)
+
+
+def silu_and_mul(h):
+    """silu(h[..., :I]) * h[..., I:]."""
+    _checks.activation_args(h, "silu", gated=True)
+    return _activation(h, "silu", True)
+
+
+def gelu_and_mul(h, approximate: bool = False):
+    """gelu(h[..., :I]) * h[..., I:]; approximate=True uses the tanh form."""
+    name = "gelu_tanh" if approximate else "gelu"
+    _checks.activation_args(h, name, gated=True)
+    return _activation(h, name, True)
+
+
+def _activation(h, name: str, gated: bool):
+    """gated_activation (gated) or activation on checked arguments."""
+    width = h.shape[-1] // 2 if gated else h.shape[-1]
+    call = jax.ffi.ffi_call(
+        "jax_moe_activation", sds(h.shape[:-1] + (width,), h.dtype),
+        vmap_method="broadcast_all")
+    return call(h, activation=np.int64(_checks.ACTIVATIONS[name]), gated=bool(gated))

@@ -1,0 +1,57 @@
+"""Steps 3-6 in one call: FFI target jax_moe_expert_mlp."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import _checks, tuning
+from jax_moe.ops._common import gemm_tile, sds
+from jax_moe.ops.activation import _activation
+from jax_moe.ops.group_gemm import _group_gemm
+
+
+def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
+               is_gated: bool = True, tile_m: tuple | None = None):
+    """Steps 3-6 in one call: group_gemm(act(group_gemm_gather(x, w13,
+    expert_sizes, dst_to_src, topk)), w2, expert_sizes), with the same bits as
+    those ops (act: gated_activation or activation). x (T, H) tokens, w13
+    (E, 2*I, H) (gated) or (E, I, H), w2 (E, H, I), dst_to_src (M,) -> (M, H).
+
+    One call instead of three: on a compute capability 9.0+ GPU the
+    activation and w2 kernels are launched with programmatic dependent launch,
+    so that each starts while the previous one finishes (under XLA's command
+    buffers that only works inside one custom call). tile_m: (w13's, w2's)
+    tile_m as in group_gemm, None for the tuned choice; where either is 256
+    (the CUTLASS kernel) the three ops run as separate calls."""
+    k, tiles = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
+                                       is_gated, tile_m)
+    return _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated, tiles)
+
+
+def _mlp_tiles(m: int, w13, w2, dtype, tiles) -> tuple:
+    """(w13's, w2's) tile_m for m rows: the checked pair `tiles`, each None
+    resolved by jax_moe.tuning."""
+    return gemm_tile(m, w13, dtype, tiles[0]), gemm_tile(m, w2, dtype, tiles[1])
+
+
+def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,
+                tiles=(None, None)):
+    """expert_mlp on checked arguments; tiles: the checked (w13's, w2's) tile_m."""
+    hidden = w13.shape[2]
+    n1, inter = w13.shape[1], w2.shape[2]
+    m = dst_to_src.shape[0]
+    t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tiles)
+    if tuning.SM90_TILE in (t1, t2):
+        h = _group_gemm(x, w13, expert_sizes, dst_to_src, k, t1)
+        a = _activation(h, activation, is_gated)
+        return _group_gemm(a, w2, expert_sizes, None, 1, t2)
+    call = jax.ffi.ffi_call(
+        "jax_moe_expert_mlp",
+        (sds((m, hidden), x.dtype), sds((m, n1), x.dtype), sds((m, inter), x.dtype)),
+        vmap_method="sequential")
+    out, _, _ = call(x, w13, w2, expert_sizes.astype(jnp.int32), dst_to_src.astype(jnp.int32),
+                     topk=np.int64(k), activation=np.int64(_checks.ACTIVATIONS[activation]),
+                     gated=bool(is_gated), tile_m1=np.int64(t1), tile_m2=np.int64(t2))
+    return out

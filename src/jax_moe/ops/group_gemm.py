@@ -1,0 +1,59 @@
+"""Steps 4 and 6, the grouped GEMM: FFI target jax_moe_group_gemm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import _checks, tuning
+from jax_moe._ffi import _ext
+from jax_moe.ops._common import gemm_tile, sds
+
+
+def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
+    """Steps 4 and 6: rows of x grouped by expert in order; out[rows of e] =
+    x[rows of e] @ w[e].T with f32 accumulation. x (M, K), w (E, N, K),
+    expert_sizes (E,) -> (M, N) in x's dtype; rows past sum(expert_sizes) are 0.
+
+    tile_m (CUDA only; None = the tuning table's or the heuristic's choice, see
+    jax_moe.tuning): rows per tile, 8 (the decode kernel), 16 (the TMA decode
+    kernel on compute capability 9.0+ GPUs for bf16/f16 with K a multiple of
+    8 and launches of at least 6 tiles per SM (1.5 from K = 8192), else 8),
+    32, 64 or 128 (the mma.sync tile kernel), or 256: the CUTLASS sm90 kernel
+    on compute capability 9.0 GPUs for bf16/f16 with N and K multiples of 8,
+    else 128."""
+    tile = _checks.group_gemm_args(x, w, expert_sizes, tile_m)
+    return _group_gemm(x, w, expert_sizes, None, 1, tile)
+
+
+def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
+    """Steps 3 and 4 in one kernel: group_gemm(moe_expand_input(x, dst_to_src,
+    topk), w, expert_sizes) without writing the expanded rows. x (T, K) tokens,
+    dst_to_src (M,) -> (M, N)."""
+    k, tile = _checks.group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk, tile_m)
+    return _group_gemm(x, w, expert_sizes, dst_to_src, k, tile)
+
+
+def _group_gemm(x, w, expert_sizes, rows, topk: int, tile):
+    """group_gemm (rows None) or group_gemm_gather (rows = dst_to_src) on
+    checked arguments; tile: a checked tile_m, None for the tuned one."""
+    experts, n, k = w.shape
+    m = x.shape[0] if rows is None else rows.shape[0]
+    tile = gemm_tile(m, w, x.dtype, tile)
+    gather = rows is not None
+    # The sm90 kernel's device-side group arrays, CUTLASS workspace and (with
+    # a gather) expanded rows live in a second output: an XLA buffer keeps a
+    # fixed address in a recorded CUDA graph, where memory from the FFI
+    # scratch allocator would be freed when the handler returns. Empty
+    # wherever that kernel will not run.
+    scratch = (_ext.group_gemm_sm90_scratch_bytes(m, k, experts, gather)
+               if tile == tuning.SM90_TILE and m > 0 and experts > 0
+               and tuning.sm90_usable(n, k, x.dtype) else 0)
+    call = jax.ffi.ffi_call(
+        "jax_moe_group_gemm", (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
+        vmap_method="sequential")
+    rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
+    out, _ = call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
+                  topk=np.int64(topk), tile_m=np.int64(tile))
+    return out

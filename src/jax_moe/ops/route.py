@@ -1,0 +1,53 @@
+"""Step 1, the router: FFI target jax_moe_route."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import _checks
+from jax_moe.ops._common import SCORING, bias_arg, sds
+
+
+def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
+          num_expert_group: int | None = None, topk_group: int | None = None,
+          e_score_correction_bias=None, routed_scaling_factor: float = 1.0):
+    """Step 1, general form (Qwen2/3-MoE, Mixtral, DeepSeek-V3 routing); the
+    semantics of ``reference.route``, in one FFI call.
+
+    router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
+    """
+    routing = _checks.route_args(
+        router_logits, topk, scoring_func=scoring_func, renormalize=renormalize,
+        num_expert_group=num_expert_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor)
+    return _route(router_logits, e_score_correction_bias, routing)
+
+
+def topk_softmax(router_logits, topk: int, renormalize: bool = True):
+    """Step 1 with softmax scoring: route(router_logits, topk, renormalize=renormalize).
+
+    router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
+    """
+    routing = _checks.route_args(router_logits, topk, renormalize=renormalize)
+    return _route(router_logits, None, routing)
+
+
+def _route(router_logits, e_score_correction_bias, r: _checks.Routing):
+    """route on checked arguments."""
+    tokens, experts = router_logits.shape
+    has_bias, bias = bias_arg(e_score_correction_bias, experts)
+    # broadcast_all hands the kernel logits (..., T, E) and bias (..., E) with
+    # the same batch dims (an unbatched bias is broadcast): one bias row per
+    # batch element.
+    call = jax.ffi.ffi_call(
+        "jax_moe_route",
+        (sds((tokens, r.topk), jnp.float32), sds((tokens, r.topk), jnp.int32)),
+        vmap_method="broadcast_all",
+    )
+    return call(router_logits, bias, renormalize=r.renormalize,
+                scoring=np.int64(SCORING[r.scoring_func]),
+                num_expert_group=np.int64(r.num_expert_group), topk_group=np.int64(r.topk_group),
+                has_bias=bool(has_bias), routed_scaling_factor=np.float32(r.routed_scaling_factor))
