@@ -1,10 +1,17 @@
-"""Helpers shared by the test modules: dtypes, tolerances, random inputs."""
+"""Helpers shared by the test modules: dtypes, tolerances, random inputs,
+the jitted reference ops, and the GEMM inputs of the group_gemm, expert_mlp
+and moe_layer tests."""
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import reference
+
+# The repository root (tests/ is one level below it).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
@@ -167,6 +174,42 @@ ref.moe_combine = jax.jit(reference.moe_combine)
 ref.moe_layer = jax.jit(reference.moe_layer, static_argnames=(
     "topk", "scoring_func", "renormalize", "num_expert_group", "topk_group",
     "routed_scaling_factor", "activation", "is_gated", "tile_m"))
+
+
+# ---- GEMM inputs (group_gemm, expert_mlp, moe_layer) ------------------------
+
+def gemm_inputs(rng, shape, pattern, dtype):
+    """x (M, K), w (E, N, K) and expert_sizes (a split of M by `pattern`) for
+    shape (M, K, N, E)."""
+    m, k, n, experts = shape
+    x = normal(rng, (m, k), dtype)
+    w = normal(rng, (experts, n, k), dtype, scale=1.0 / np.sqrt(k))
+    return x, w, jnp.asarray(split_rows(rng, m, experts, pattern))
+
+
+def gather_rows(rng, tokens, topk, experts, extra_invalid=True):
+    """dst_to_src of a random routing, plus -1 and out-of-range entries."""
+    ids = jnp.asarray(random_ids(rng, tokens, topk, experts))
+    _, dst_to_src, sizes = ref.moe_compute_token_index(ids, num_experts=experts)
+    d2s = np.asarray(dst_to_src).copy()
+    if extra_invalid and d2s.size >= 3:
+        d2s[rng.integers(d2s.size)] = -1
+        d2s[rng.integers(d2s.size)] = tokens * topk      # one past the last valid entry
+        d2s[rng.integers(d2s.size)] = -(1 << 30)
+    return jnp.asarray(d2s), sizes
+
+
+def mlp_weights(rng, experts, hidden, inter, dtype, gated=True):
+    """w13 (E, 2I or I, H) and w2 (E, H, I), scaled to keep outputs O(1)."""
+    up = 2 * inter if gated else inter
+    return (normal(rng, (experts, up, hidden), dtype, scale=hidden**-0.5),
+            normal(rng, (experts, hidden, inter), dtype, scale=inter**-0.5))
+
+
+# expert_sizes outside the contract (for 64 rows, 4 experts): each GEMM path
+# must clamp them as reference.py does.
+BAD_SIZES = {"oversized_first": [90, 5, 0, 0], "negative": [5, -3, 70, 20],
+             "negative_first_oversized_last": [-5, 10, 4, 100], "sum_past_m": [30, 30, 30, 30]}
 
 
 def on_cpu(fn, *args, **kwargs):

@@ -6,9 +6,23 @@ GPU-only tests (marked ``gpu``) compare the CUDA handlers with the CPU ones.
 
 Each test gets a fresh random seed; a failing test prints it in a
 "jax_moe seed" section. Re-run with ``JAX_MOE_SEED=<seed>`` to reproduce.
+
+Layout: the tests of one step each are in ops/, the layer-level ones in
+layer/, attention's in attention/, the benchmark scripts' in bench/; the
+helpers they share (common.py, oracle.py, attention_cases.py) and this file
+are here, at the root of tests/, which is put on sys.path below so that every
+subfolder imports them by name. The folders are not packages (no
+__init__.py): test file names must be unique across the whole suite.
 """
 
 import os
+import sys
+
+# The shared helper modules (and `from conftest import ON_GPU`) import by name
+# from every subfolder, whatever pytest's import mode.
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:
+    sys.path.insert(0, _here)
 
 # --- environment, before jax is imported anywhere -------------------------
 # 8 host devices for shard_map tests (appended to any user flags).
@@ -46,7 +60,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped elsewhere)")
     config.addinivalue_line(
         "markers", "sanitize: small edge cases run under compute-sanitizer "
-                   "(scripts/gpu_check.sh sanitize: pytest -m sanitize)")
+                   "(tools/gpu_check.sh sanitize: pytest -m sanitize)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
-"""Plain-numpy oracles, written from DESIGN.md's seven-step contract.
+"""Plain-numpy oracles, written from the seven-step contract (the table of
+steps in README.md).
 
-They never call jax_moe (neither ops.py nor reference.py), compute in float64
+They never call jax_moe (neither the FFI ops nor reference.py), compute in float64
 and loop in the most obvious way, so that they check reference.py as much as
 the kernels. Inputs may be jax or numpy arrays of any float dtype (bf16 and
 f16 convert to float64 exactly).
@@ -26,6 +27,23 @@ def topk_softmax(logits, topk, renormalize=True):
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, ids.astype(np.int32)
+
+
+def route(logits, topk, scoring_func="softmax", renormalize=True, routed_scaling_factor=1.0):
+    """Routing without bias or expert groups: top-k by logit (ties to the lower
+    id); weights are the chosen experts' softmax or sigmoid scores,
+    renormalised to sum 1 if asked, times routed_scaling_factor."""
+    logits = f64(logits)
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]
+    if scoring_func == "softmax":
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        scores = z / z.sum(axis=-1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights * routed_scaling_factor, ids.astype(np.int32)
 
 
 def token_index(topk_ids, num_experts, start_expert=0, num_local_experts=None):
@@ -114,3 +132,32 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk, renormalize=True,
     if shared_expert_output is not None:
         out += f64(shared_expert_output)
     return out
+
+
+def deepseek_v3_route(logits, bias, topk, n_group, topk_group, route_scale):
+    """DeepSeek-V3's gate (sigmoid scoring, noaux_tc), in float64 numpy:
+    scores = sigmoid(logits); the choice adds the correction bias; a group's
+    score is the sum of its two best biased scores; experts outside the
+    topk_group best groups are masked with -inf; top-k of the biased scores;
+    weights are the unbiased scores of the chosen experts, normalised to sum
+    1, times route_scale."""
+    logits = np.asarray(logits).astype(np.float64)
+    bias = np.asarray(bias).astype(np.float64)
+    tokens, experts = logits.shape
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    biased = scores + bias
+    ids = np.zeros((tokens, topk), np.int32)
+    weights = np.zeros((tokens, topk))
+    for t in range(tokens):
+        groups = biased[t].reshape(n_group, -1)
+        group_score = np.array([sum(sorted(g)[-2:]) for g in groups])
+        best_groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        masked = np.full(experts, -np.inf)
+        for g in best_groups:
+            lo = g * (experts // n_group)
+            masked[lo:lo + experts // n_group] = biased[t, lo:lo + experts // n_group]
+        chosen = sorted(range(experts), key=lambda e: (-masked[e], e))[:topk]
+        w = scores[t, chosen]
+        ids[t] = chosen
+        weights[t] = w / w.sum() * route_scale
+    return weights, ids

@@ -129,6 +129,39 @@ def test_reference_rejects_the_same(case):
     _raises(make(reference), args, "eval_shape", exc, match)
 
 
+# step 1's general form, route(): group-limited top-k, correction bias, scale
+# (T = 4 tokens, RE = 8 experts)
+RE = 8
+ROUTE_LOGITS = jnp.zeros((4, RE), jnp.float32)
+ROUTE_ERROR_CASES = [  # (id, kwargs, exception, match)
+    ("bad_scoring", dict(topk=2, scoring_func="relu"), ValueError, "scoring_func"),
+    ("groups_not_dividing", dict(topk=2, num_expert_group=3, topk_group=1), ValueError, "num_expert_group"),
+    ("groups_zero", dict(topk=2, num_expert_group=0, topk_group=1), ValueError, "num_expert_group"),
+    ("groups_float", dict(topk=2, num_expert_group=4.0, topk_group=1), TypeError, "num_expert_group"),
+    ("topk_group_zero", dict(topk=2, num_expert_group=4, topk_group=0), ValueError, "topk_group"),
+    ("topk_group_too_big", dict(topk=2, num_expert_group=4, topk_group=5), ValueError, "topk_group"),
+    ("topk_group_alone", dict(topk=2, topk_group=2), ValueError, "topk_group"),
+    ("groups_alone", dict(topk=2, num_expert_group=2), ValueError, "num_expert_group"),
+    ("topk_past_groups", dict(topk=5, num_expert_group=4, topk_group=2), ValueError, "topk"),
+    ("bias_too_long", dict(topk=2, e_score_correction_bias=jnp.zeros(RE + 1)), ValueError, "e_score_correction_bias"),
+    ("bias_rank2", dict(topk=2, e_score_correction_bias=jnp.zeros((1, RE))), ValueError, "e_score_correction_bias"),
+    ("bias_int", dict(topk=2, e_score_correction_bias=jnp.zeros(RE, jnp.int32)), TypeError, "e_score_correction_bias"),
+    ("scale_none", dict(topk=2, routed_scaling_factor=None), TypeError, "routed_scaling_factor"),
+    ("topk_too_big", dict(topk=RE + 1), ValueError, "topk"),
+]
+
+
+@pytest.mark.parametrize("module", [ops, reference], ids=["ops", "reference"])
+@pytest.mark.parametrize("case", ROUTE_ERROR_CASES, ids=[c[0] for c in ROUTE_ERROR_CASES])
+def test_route_rejects(module, case):
+    _, kw, exc, match = case
+    with pytest.raises(exc, match=match):
+        module.route(ROUTE_LOGITS, **kw)
+    # At trace time, before any kernel: the same with abstract inputs.
+    with pytest.raises(exc, match=match):
+        jax.eval_shape(functools.partial(module.route, **kw), ROUTE_LOGITS)
+
+
 @pytest.mark.parametrize("backend", ["ffi", "reference"])
 @pytest.mark.parametrize("mode", ["eager", "eval_shape"])
 @pytest.mark.parametrize("case", LAYER_CASES, ids=[c[0] for c in LAYER_CASES])

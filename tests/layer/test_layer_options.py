@@ -9,8 +9,7 @@ import pytest
 
 import jax_moe
 import oracle
-from common import DTYPE_IDS, FLOAT_DTYPES, normal, rel_err
-from jax_moe import ops, reference
+from common import normal, rel_err
 
 STATIC = ("topk", "renormalize", "activation", "is_gated", "scoring_func", "num_expert_group",
           "topk_group", "routed_scaling_factor", "backend")
@@ -33,26 +32,6 @@ def both(inp, **kw):
 
 
 # ------------------------------------------------------------ non-gated experts
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh"])
-def test_plain_activation_op(rng, name, dtype):
-    h = normal(rng, (37, 75), dtype, 2.0)
-    got, want = ops.activation(h, name), reference.activation(h, name)
-    assert got.shape == (37, 75) and got.dtype == dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=TOL[jnp.dtype(dtype)], atol=TOL[jnp.dtype(dtype)])
-    ref64 = oracle.activation(oracle.f64(h), name)
-    np.testing.assert_allclose(np.asarray(got, np.float64), ref64,
-                               rtol=2 * TOL[jnp.dtype(dtype)], atol=2 * TOL[jnp.dtype(dtype)])
-
-
-def test_plain_activation_vmap(rng):
-    h = normal(rng, (3, 9, 16), jnp.float32)
-    got = jax.vmap(lambda a: ops.activation(a, "gelu"))(h)
-    want = jnp.stack([ops.activation(a, "gelu") for a in h])
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_non_gated_layer(rng, dtype):

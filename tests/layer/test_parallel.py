@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import assert_close, rel_err
+from common import ROOT, assert_close, rel_err
 import jax_moe
 from jax_moe import parallel
 from jax_moe.parallel import moe_forward_sharded, moe_shardings
@@ -27,7 +27,6 @@ H, I, E, K = 32, 16, 8, 2  # small: 8 devices share 2 cores
 MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8), (1, 1)]
 MESH_IDS = [f"ep{ep}-tp{tp}" for ep, tp in MESH_SHAPES]
 STRATEGIES = ["allgather", "all_to_all"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The 8 host CPU devices of conftest.py; under JAX_PLATFORMS=cuda with fewer
 # than 8 GPUs the meshes (and the single-device reference) use them too.

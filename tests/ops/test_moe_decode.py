@@ -1,8 +1,9 @@
 """ops.moe_decode (the routed layer for one token in one kernel) against its
-twin reference.moe_decode, and moe_forward's use of it on the GPU.
-
-Runs on the default backend: the CPU handler here, the CUDA kernel under
-JAX_PLATFORMS=cuda.
+twin reference.moe_decode: every kernel path, ties and NaN logits, what it
+rejects. Runs on the default backend: the CPU handler here, the CUDA kernel
+under JAX_PLATFORMS=cuda. moe_forward's use of it is in
+layer/test_moe_forward.py, the contract on both backends in
+test_conformance.py.
 """
 
 import jax
@@ -10,17 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import DTYPE_IDS, assert_close, assert_equal, normal, router_logits
-from conftest import ON_GPU
-from jax_moe import moe_forward, ops, reference
+from common import DTYPE_IDS, assert_close, assert_equal, mlp_weights, normal, router_logits
+from jax_moe import ops, reference
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS[1:])
-
-
-def _weights(rng, experts, hidden, inter, dtype):
-    return (normal(rng, (experts, 2 * inter, hidden), dtype, scale=hidden**-0.5),
-            normal(rng, (experts, hidden, inter), dtype, scale=inter**-0.5))
 
 
 # (H, I, E, topk, logits dtype, keywords). The kernel's paths: I / 256 = 1..4
@@ -48,7 +43,7 @@ def test_moe_decode_matches_reference(rng, case, dtype):
     hidden, inter, experts, k, logit_dtype, kw = case
     x = normal(rng, (1, hidden), dtype)
     logits = router_logits(rng, 1, experts, logit_dtype)
-    w13, w2 = _weights(rng, experts, hidden, inter, dtype)
+    w13, w2 = mlp_weights(rng, experts, hidden, inter, dtype)
     got = jax.jit(lambda *a: ops.moe_decode(*a, k, **kw))(x, logits, w13, w2)
     assert got.shape == (1, hidden) and got.dtype == dtype
     want = reference.moe_decode(x, logits, w13, w2, k, **kw)
@@ -67,7 +62,7 @@ def test_moe_decode_ties_and_nan_logits(rng, logits_kind):
     # out of bounds).
     hidden, inter, experts, k = 256, 256, 8, 3
     x = normal(rng, (1, hidden), jnp.bfloat16)
-    w13, w2 = _weights(rng, experts, hidden, inter, jnp.bfloat16)
+    w13, w2 = mlp_weights(rng, experts, hidden, inter, jnp.bfloat16)
     if logits_kind == "ties":
         logits = jnp.zeros((1, experts), jnp.float32).at[0, 5].set(1.0)
         got = ops.moe_decode(x, logits, w13, w2, k)
@@ -127,40 +122,3 @@ def test_moe_decode_rejects_what_it_cannot_take():
         call(x, logits, w13, w2, 5)
     with pytest.raises(TypeError, match="routed_scaling_factor"):
         call(x, logits, w13, w2, 2, routed_scaling_factor=None)
-
-
-def _forward_hlo(x, logits, w13, w2, k, platform, **kw):
-    fn = jax.jit(lambda *a: moe_forward(*a, k, **kw))
-    return fn.trace(x, logits, w13, w2).lower(lowering_platforms=(platform,)).as_text()
-
-
-@pytest.mark.parametrize("platform", ["cuda", "cpu"])
-def test_moe_forward_takes_decode_on_the_gpu_only(rng, platform):
-    # Lowered for each platform here (no device needed): one token goes to
-    # moe_decode on CUDA; the CPU keeps moe_layer (and its bits).
-    x = normal(rng, (1, 256), jnp.bfloat16)
-    logits = router_logits(rng, 1, 8, jnp.float32)
-    w13, w2 = _weights(rng, 8, 256, 256, jnp.bfloat16)
-    hlo = _forward_hlo(x, logits, w13, w2, 2, platform)
-    assert ("jax_moe_moe_decode" in hlo) == (platform == "cuda")
-    assert ("jax_moe_moe_layer" in hlo) == (platform == "cpu")
-    # Where moe_decode does not apply, moe_layer everywhere.
-    for kw in ({"scoring_func": "sigmoid"}, {"activation": "gelu"}):
-        hlo = _forward_hlo(x, logits, w13, w2, 2, platform, **kw)
-        assert "jax_moe_moe_decode" not in hlo and "jax_moe_moe_layer" in hlo, kw
-    hlo = _forward_hlo(jnp.concatenate([x, x]), jnp.concatenate([logits, logits]), w13, w2, 2,
-                       platform)
-    assert "jax_moe_moe_decode" not in hlo
-
-
-@dtypes
-def test_moe_forward_one_token(rng, dtype):
-    # moe_forward at T = 1 (moe_decode on the GPU) against the reference layer.
-    x = normal(rng, (1, 2048), dtype)
-    logits = router_logits(rng, 1, 16, jnp.float32)
-    w13, w2 = _weights(rng, 16, 2048, 768, dtype)
-    got = jax.jit(lambda *a: moe_forward(*a, 8))(x, logits, w13, w2)
-    want = moe_forward(x, logits, w13, w2, 8, backend="reference")
-    assert_close(got, want, dtype, f"moe_forward T=1 on {'GPU' if ON_GPU else 'CPU'}")
-    if ON_GPU:
-        assert_equal(got, ops.moe_decode(x, logits, w13, w2, 8), "moe_forward is moe_decode")

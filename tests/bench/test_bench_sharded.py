@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT
+
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]  # every ep x tp = 8 (tiny: E=8, I=32)
 STRATEGIES = ["allgather", "all_to_all"]
 TOKENS = [1, 16, 100]  # --quick's tokens per device

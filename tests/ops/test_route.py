@@ -1,10 +1,13 @@
-"""ops.route (one FFI call) against reference.route, and both against a plain
-numpy DeepSeek-V3 router written from its published definition.
+"""Step 1, the router: ops.topk_softmax and ops.route (one FFI call each)
+against reference.route and the numpy oracle, and both against a plain numpy
+DeepSeek-V3 router written from its published definition
+(oracle.deepseek_v3_route).
 
 Scoring (softmax / sigmoid) x correction bias x group-limited top-k x
 renormalize x routed_scaling_factor; ties, signed zeros, masked and NaN
-logits, T = 0 and 1, every logits dtype, jit and vmap, argument errors.
-Ids must match exactly; weights to f32 rounding.
+logits, T = 0 and 1, every logits dtype, jit and vmap. Ids must match
+exactly; weights to f32 rounding. The argument errors are in test_errors.py,
+the contract on both backends at the edges in test_conformance.py.
 """
 
 import functools
@@ -14,8 +17,95 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu
+import oracle
+from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu, ref
 from jax_moe import ops, reference
+
+dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+
+
+# ------------------------------------------------------------- topk_softmax
+
+TOPK_SHAPES = [  # (T, E, k)
+    (1, 1, 1),      # one token, one expert
+    (1, 8, 8),      # topk = E
+    (5, 8, 1),
+    (33, 8, 2),
+    (130, 64, 6),
+    (257, 13, 13),  # odd E, topk = E
+    (64, 160, 8),
+    (32, 256, 8),
+    (8, 1000, 10),
+    (3, 100, 100),  # topk = E > 32: each lane of the CUDA warp holds several picks
+    (4, 3072, 40),  # the most experts the CUDA router takes, k > 32
+]
+
+
+@dtypes
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("shape", TOPK_SHAPES, ids=str)
+def test_topk_softmax(rng, shape, dtype, renormalize):
+    tokens, experts, k = shape
+    logits = normal(rng, (tokens, experts), dtype, scale=2.0)
+    weights, ids = ops.topk_softmax(logits, k, renormalize)
+    assert weights.shape == (tokens, k) and weights.dtype == jnp.float32
+    assert ids.shape == (tokens, k) and ids.dtype == jnp.int32
+
+    ref_w, ref_ids = ref.topk_softmax(logits, k, renormalize)
+    np_w, np_ids = oracle.topk_softmax(logits, k, renormalize)
+    # Low-precision logits can tie; both sides break ties to the lower id, so ids match exactly.
+    assert_equal(ids, ref_ids, "ids vs reference")
+    assert_equal(ids, np_ids, "ids vs numpy oracle")
+    # The weights are f32 whatever the logits' dtype (bf16/f16 logits convert exactly).
+    assert_close(weights, ref_w, jnp.float32, "weights vs reference")
+    assert_close(weights, np_w, jnp.float32, "weights vs numpy oracle")
+    if renormalize:
+        np.testing.assert_allclose(np.asarray(weights).sum(axis=1), 1.0, rtol=1e-5)
+
+
+@dtypes
+def test_topk_with_many_ties_matches_stable_sort(rng, dtype):
+    # Integer logits from a small range: most rows have ties at the k-th place.
+    logits = jnp.asarray(rng.integers(-2, 3, size=(300, 16)), dtype)
+    np_w, np_ids = oracle.topk_softmax(logits, 5, True)
+    for fn in (ops.topk_softmax, ref.topk_softmax):
+        weights, ids = fn(logits, 5, True)
+        assert_equal(ids, np_ids, f"{fn}: ids vs stable argsort")
+        assert_close(weights, np_w, jnp.float32, f"{fn}: weights")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_topk_softmax_many_tokens(rng, dtype):
+    tokens, experts, k = 20_000, 16, 4  # T*k = 80,000 > 65,536
+    logits = normal(rng, (tokens, experts), dtype, scale=2.0)
+    weights, ids = ops.topk_softmax(logits, k)
+    np_w, np_ids = oracle.topk_softmax(logits, k)
+    assert_equal(ids, np_ids, "ids")
+    assert_close(weights, np_w, jnp.float32, "weights")
+
+
+@dtypes
+def test_topk_large_logits(rng, dtype):
+    # |logits| up to ~4000: the softmax must subtract the row max (no overflow).
+    logits = normal(rng, (64, 16), dtype, scale=1000.0)
+    weights, ids = ops.topk_softmax(logits, 4, False)
+    np_w, np_ids = oracle.topk_softmax(logits, 4, False)
+    assert_equal(ids, np_ids, "ids")
+    assert_close(weights, np_w, jnp.float32, "weights")
+
+
+def test_vmap_nested_topk(rng):
+    logits = normal(rng, (2, 3, 10, 8), jnp.float32)
+    fn = functools.partial(ops.topk_softmax, topk=3)
+    weights, ids = jax.vmap(jax.vmap(fn))(logits)
+    for a in range(2):
+        for b in range(3):
+            w, i = fn(logits[a, b])
+            assert_equal(ids[a, b], i)
+            assert_close(weights[a, b], w, jnp.float32)
+
+
+# ------------------------------------------------------------- route
 
 STATIC = ("topk", "scoring_func", "renormalize", "num_expert_group", "topk_group",
           "routed_scaling_factor")
@@ -30,11 +120,10 @@ def bias_for(rng, experts, scale=0.1, dtype=jnp.float32):
 
 # Random logits meet a rounding hazard that is not a bug: when two choice
 # values (or two group scores) differ by an ulp or so, the last bit of exp,
-# which differs between the CUDA kernel, XLA and numpy, decides the pick
-# (seen on the H200: two group scores 1.3e-7 apart). Random tests therefore
-# draw rows whose decisions all have a clear margin, or exact ties (equal
-# inputs, decided by the lower id everywhere); the tie tests make ties on
-# purpose.
+# which differs between the CUDA kernel, XLA and numpy, decides the pick.
+# Random tests therefore draw rows whose decisions all have a clear margin, or
+# exact ties (equal inputs, decided by the lower id everywhere); the tie tests
+# make ties on purpose.
 MARGIN = 1e-5
 
 
@@ -301,35 +390,6 @@ def test_route_all_masked_softmax_row(rng, on_gpu):
 
 # --------------------------------------- DeepSeek-V3, from its definition
 
-def deepseek_v3_numpy(logits, bias, topk, n_group, topk_group, route_scale):
-    """DeepSeek-V3's gate (sigmoid scoring, noaux_tc), in float64 numpy:
-    scores = sigmoid(logits); the choice adds the correction bias; a group's
-    score is the sum of its two best biased scores; experts outside the
-    topk_group best groups are masked with -inf; top-k of the biased scores;
-    weights are the unbiased scores of the chosen experts, normalised to sum
-    1, times route_scale."""
-    logits = np.asarray(logits).astype(np.float64)
-    bias = np.asarray(bias).astype(np.float64)
-    tokens, experts = logits.shape
-    scores = 1.0 / (1.0 + np.exp(-logits))
-    biased = scores + bias
-    ids = np.zeros((tokens, topk), np.int32)
-    weights = np.zeros((tokens, topk))
-    for t in range(tokens):
-        groups = biased[t].reshape(n_group, -1)
-        group_score = np.array([sum(sorted(g)[-2:]) for g in groups])
-        best_groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
-        masked = np.full(experts, -np.inf)
-        for g in best_groups:
-            lo = g * (experts // n_group)
-            masked[lo:lo + experts // n_group] = biased[t, lo:lo + experts // n_group]
-        chosen = sorted(range(experts), key=lambda e: (-masked[e], e))[:topk]
-        w = scores[t, chosen]
-        ids[t] = chosen
-        weights[t] = w / w.sum() * route_scale
-    return weights, ids
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_route_matches_deepseek_v3_definition(rng, dtype):
     tokens, experts, k, n_group, topk_group, scale = 32, 256, 8, 8, 4, 2.5
@@ -337,7 +397,7 @@ def test_route_matches_deepseek_v3_definition(rng, dtype):
     logits = decisive_logits(rng, (tokens, experts), dtype, k, scoring_func="sigmoid",
                              e_score_correction_bias=bias, num_expert_group=n_group,
                              topk_group=topk_group)
-    np_w, np_ids = deepseek_v3_numpy(logits, bias, k, n_group, topk_group, scale)
+    np_w, np_ids = oracle.deepseek_v3_route(logits, bias, k, n_group, topk_group, scale)
     for name, fn in (("ops", ops.route), ("reference", ref_route)):
         weights, ids = fn(logits, k, scoring_func="sigmoid", num_expert_group=n_group,
                           topk_group=topk_group, e_score_correction_bias=bias,
@@ -395,39 +455,6 @@ def test_route_vmap_no_tokens(rng):
     fn = lambda x, b: ops.route(x, 2, e_score_correction_bias=b)  # noqa: E731
     w, i = jax.vmap(fn, in_axes=(0, None))(jnp.zeros((3, 0, 8)), bias_for(rng, 8))
     assert w.shape == (3, 0, 2) and i.shape == (3, 0, 2)
-
-
-# ------------------------------------------------------------- errors
-
-T, E = 4, 8
-LOGITS = jnp.zeros((T, E), jnp.float32)
-ERROR_CASES = [  # (id, kwargs, exception, match)
-    ("bad_scoring", dict(topk=2, scoring_func="relu"), ValueError, "scoring_func"),
-    ("groups_not_dividing", dict(topk=2, num_expert_group=3, topk_group=1), ValueError, "num_expert_group"),
-    ("groups_zero", dict(topk=2, num_expert_group=0, topk_group=1), ValueError, "num_expert_group"),
-    ("groups_float", dict(topk=2, num_expert_group=4.0, topk_group=1), TypeError, "num_expert_group"),
-    ("topk_group_zero", dict(topk=2, num_expert_group=4, topk_group=0), ValueError, "topk_group"),
-    ("topk_group_too_big", dict(topk=2, num_expert_group=4, topk_group=5), ValueError, "topk_group"),
-    ("topk_group_alone", dict(topk=2, topk_group=2), ValueError, "topk_group"),
-    ("groups_alone", dict(topk=2, num_expert_group=2), ValueError, "num_expert_group"),
-    ("topk_past_groups", dict(topk=5, num_expert_group=4, topk_group=2), ValueError, "topk"),
-    ("bias_too_long", dict(topk=2, e_score_correction_bias=jnp.zeros(E + 1)), ValueError, "e_score_correction_bias"),
-    ("bias_rank2", dict(topk=2, e_score_correction_bias=jnp.zeros((1, E))), ValueError, "e_score_correction_bias"),
-    ("bias_int", dict(topk=2, e_score_correction_bias=jnp.zeros(E, jnp.int32)), TypeError, "e_score_correction_bias"),
-    ("scale_none", dict(topk=2, routed_scaling_factor=None), TypeError, "routed_scaling_factor"),
-    ("topk_too_big", dict(topk=E + 1), ValueError, "topk"),
-]
-
-
-@pytest.mark.parametrize("module", [ops, reference], ids=["ops", "reference"])
-@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-def test_route_rejects(module, case):
-    _, kw, exc, match = case
-    with pytest.raises(exc, match=match):
-        module.route(LOGITS, **kw)
-    # At trace time, before any kernel: the same with abstract inputs.
-    with pytest.raises(exc, match=match):
-        jax.eval_shape(functools.partial(module.route, **kw), LOGITS)
 
 
 # ------------------------------------------------------- GPU against CPU

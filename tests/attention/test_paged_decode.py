@@ -1,0 +1,290 @@
+"""jax_moe.attention.paged_decode_attention (FFI, CPU + CUDA) against its jnp
+twin (attention_reference) and a plain numpy float64 dense attention over the
+same tokens: GQA, page sizes, splits of long sequences, empty sequences, bad
+values under jit, write_kv then decode, argument errors; (gpu) CUDA against
+the CPU handler; small edge cases for compute-sanitizer."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import (check_decode, decode_inputs, decode_np, dense_attention_np,
+                             make_cache, ref_decode, ref_write_kv)
+from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu
+from jax_moe import _attention_checks as _ac
+from jax_moe import attention, attention_reference
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+# 3: heads idle in a block; 12: two blocks of 8, 20: three
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8, 12, 20])
+def test_decode_matches_reference_and_numpy(rng, dtype, page_size, gqa):
+    d = int(rng.choice([64, 128, 256]))
+    hkv = 2 if gqa < 8 else 1
+    # lengths: 1, a full last page, a non-multiple, a long one
+    lengths = [1, 2 * page_size, int(rng.integers(2, 3 * page_size)) | 1, 5 * page_size - 3]
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype)
+    q = normal(rng, (len(lengths), hkv * gqa, d), dtype)
+    check_decode(q, kp, vp, table, ln, dtype)
+
+
+def test_decode_shared_pages_and_scale(rng):
+    dtype = jnp.float32
+    kp, vp, table, ln = make_cache(rng, [40, 33, 16, 64], 16, 2, 128, dtype, share=True)
+    q = normal(rng, (4, 8, 128), dtype)
+    check_decode(q, kp, vp, table, ln, dtype, scale=0.05)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("st", [64, 256, 2048])
+def test_decode_long_sequences_many_splits(rng, dtype, st):
+    """Longer than several CUDA splits of split_tokens, lengths not on a split
+    boundary; the result does not depend on the split beyond rounding."""
+    kp, vp, table, ln = make_cache(rng, [3 * st + 17, st, 1], 32, 2, 64, dtype)
+    q = normal(rng, (3, 4, 64), dtype)
+    out = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=st))(
+        q, kp, vp, table, ln)
+    s = 1 / np.sqrt(64)
+    assert_close(out, decode_np(q, kp, vp, table, ln, s), dtype, "decode vs numpy")
+    assert_close(out, check_decode(q, kp, vp, table, ln, dtype), dtype, "vs automatic split")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("page_size,st", [(1, 2048), (3, 64), (48, 128), (100, 64)])
+def test_decode_splits_starting_mid_page(rng, dtype, page_size, st):
+    """Page sizes that do not divide split_tokens: splits begin inside a page
+    (the CUDA kernels' page lookups start at an offset), and page 1 with a
+    whole 2048-token split (2048 page ids for one block)."""
+    lengths = [3 * st + 17, st + page_size, 2 * st, 1]
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, 2, 64, dtype)
+    q = normal(rng, (len(lengths), 8, 64), dtype)
+    out = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=st))(
+        q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, "decode vs reference")
+    assert_close(out, decode_np(q, kp, vp, table, ln, 1 / np.sqrt(64)), dtype, "vs numpy")
+
+
+def test_decode_split_constants_match_the_extension():
+    assert attention.DECODE_SPLIT_UNIT == _ac.DECODE_SPLIT_UNIT
+    assert attention.DECODE_MAX_SPLIT_TOKENS == _ac.DECODE_MAX_SPLIT_TOKENS
+
+
+def test_decode_split_tokens_rule():
+    # long splits while the GPU still gets enough blocks; never past the capacity
+    assert attention.decode_split_tokens(64, 32, 8, 4096, jnp.bfloat16) == 1024
+    assert attention.decode_split_tokens(8, 32, 8, 32768, jnp.bfloat16) == 1024
+    assert attention.decode_split_tokens(64, 32, 8, 16384, jnp.bfloat16) == 2048
+    assert attention.decode_split_tokens(1, 32, 8, 4096, jnp.bfloat16) == 256
+    assert attention.decode_split_tokens(512, 32, 8, 300, jnp.bfloat16) == 512
+    assert attention.decode_split_tokens(4096, 64, 8, 1 << 20, jnp.float32) == 2048
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_decode_zero_length_gives_zero(rng, dtype):
+    kp, vp, table, ln = make_cache(rng, [0, 5], 16, 1, 64, dtype)
+    q = normal(rng, (2, 2, 64), dtype)
+    out = check_decode(q, kp, vp, table, ln, dtype)
+    assert_equal(out[0], jnp.zeros((2, 64), dtype), "empty sequence")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_decode_empty_sequences_between_split_ones(rng, dtype):
+    """Empty sequences beside ones of many splits (the GPU's combine merges
+    only the splits that hold tokens), a length on a split boundary, and two
+    head chunks (GQA 12)."""
+    st = 64
+    lengths = [0, 5 * st + 17, 0, st, 2 * st]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, 64, dtype)
+    q = normal(rng, (len(lengths), 24, 64), dtype)
+    f = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=st))
+    out = f(q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, "decode vs reference")
+    for i in (0, 2):
+        assert_equal(out[i], jnp.zeros((24, 64), dtype), f"empty sequence {i}")
+    assert_equal(out, f(q, kp, vp, table, ln), "run to run")
+
+
+def test_decode_bad_values_under_jit_are_skipped(rng):
+    """Under jit nothing can be checked: lengths are clamped to the table's
+    capacity and tokens on page ids outside [0, P) are skipped, as the
+    reference does."""
+    kp, vp, table, _ = make_cache(rng, [30, 20, 16], 16, 2, 64, jnp.float32, max_pages=2)
+    table = np.asarray(table).copy()
+    table[0, 1] = 10**6     # second page of sequence 0 is invalid: its tokens are skipped
+    table[1, 0] = -5        # first page of sequence 1 invalid
+    table[2, :] = -1        # no valid page at all: output 0
+    lengths = jnp.asarray([30, 10**6, 16], jnp.int32)  # 10**6 is clamped to 32
+    table = jnp.asarray(table)
+    q = normal(rng, (3, 4, 64), jnp.float32)
+    out = jax.jit(attention.paged_decode_attention)(q, kp, vp, table, lengths)
+    want = ref_decode(q, kp, vp, table, lengths)
+    assert_close(out, want, jnp.float32, "decode vs reference")
+    clamped = jnp.asarray([30, 32, 16], jnp.int32)
+    assert_close(out, decode_np(q, kp, vp, table, clamped, 1 / 8), jnp.float32, "vs numpy")
+    assert_equal(out[2], np.zeros((4, 64), np.float32), "no valid page")
+
+
+def test_decode_is_deterministic(rng):
+    kp, vp, table, ln = make_cache(rng, [300, 77], 16, 2, 128, jnp.bfloat16)
+    q = normal(rng, (2, 8, 128), jnp.bfloat16)
+    f = jax.jit(attention.paged_decode_attention)
+    assert_equal(f(q, kp, vp, table, ln), f(q, kp, vp, table, ln), "two runs")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+def test_write_kv_then_decode_is_dense_attention(rng, dtype):
+    """A prefill of each sequence's tokens through write_kv (pages in random
+    order, padded slot_mapping), then a decode step: dense attention over the
+    written tokens."""
+    page_size, hkv, gqa, d = 16, 2, 4, 64
+    lengths = [1, 16, 37]
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype)
+    kp, vp = jnp.zeros_like(kp), jnp.zeros_like(vp)
+    toks_k = [normal(rng, (n, hkv, d), dtype) for n in lengths]
+    toks_v = [normal(rng, (n, hkv, d), dtype) for n in lengths]
+    tbl = np.asarray(table)
+    slots = [tbl[b, t // page_size] * page_size + t % page_size
+             for b, n in enumerate(lengths) for t in range(n)]
+    pad = 5
+    slot_mapping = jnp.asarray(np.array(slots + [-1] * pad, np.int32))
+    k = jnp.concatenate(toks_k + [jnp.zeros((pad, hkv, d), dtype)])
+    v = jnp.concatenate(toks_v + [jnp.zeros((pad, hkv, d), dtype)])
+    step = jax.jit(attention.write_kv, donate_argnums=(0, 1))
+    kp, vp = step(kp, vp, k, v, slot_mapping)
+    q = normal(rng, (3, hkv * gqa, d), dtype)
+    out = jax.jit(attention.paged_decode_attention)(q, kp, vp, table, ln)
+    want = np.stack([dense_attention_np(np.asarray(q[b:b + 1]).astype(np.float64),
+                                        np.asarray(toks_k[b]).astype(np.float64),
+                                        np.asarray(toks_v[b]).astype(np.float64),
+                                        1 / np.sqrt(d))[0] for b in range(3)])
+    assert_close(out, want, dtype, "write_kv + decode vs dense")
+
+
+# ---- errors -----------------------------------------------------------------
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("heads", ValueError, "multiple of k_pages' kv heads"),
+    ("head_dim", ValueError, "head dim must be one of"),
+    ("dtype", TypeError, "k_pages"),
+    ("vshape", ValueError, "v_pages"),
+    ("table_rows", ValueError, "page_table"),
+    ("lengths_rows", ValueError, "lengths"),
+    ("table_dtype", TypeError, "page_table"),
+    ("page_oob", ValueError, r"page_table\[1, 0\]"),
+    ("page_neg", ValueError, r"page_table\[0, 1\]"),
+    ("len_cap", ValueError, "lengths must lie in"),
+    ("len_neg", ValueError, "lengths must lie in"),
+    ("scale", TypeError, "scale"),
+    ("split_small", ValueError, "split_tokens must be a multiple of 64"),
+    ("split_odd", ValueError, "split_tokens must be a multiple of 64"),
+    ("split_big", ValueError, "split_tokens must be a multiple of 64"),
+    ("split_type", TypeError, "split_tokens"),
+    ("split_many", ValueError, "more than 65535 splits"),
+])
+def test_decode_errors(case, exc, match):
+    q, kp, vp, pt, ln = decode_inputs()
+    kw = {}
+    if case == "heads":
+        q = jnp.zeros((2, 3, 64))
+    elif case == "head_dim":
+        q, kp, vp, pt, ln = decode_inputs(d=96)
+    elif case == "dtype":
+        kp = vp = kp.astype(jnp.bfloat16)
+    elif case == "vshape":
+        vp = jnp.zeros((5, 16, 2, 64))
+    elif case == "table_rows":
+        pt = jnp.zeros((3, 2), jnp.int32)
+    elif case == "lengths_rows":
+        ln = jnp.ones((3,), jnp.int32)
+    elif case == "table_dtype":
+        pt = pt.astype(jnp.float32)
+    elif case == "page_oob":
+        pt = pt.at[1, 0].set(4)
+    elif case == "page_neg":
+        pt = pt.at[0, 1].set(-1)
+        ln = jnp.asarray([17, 1], jnp.int32)
+    elif case == "len_cap":
+        ln = jnp.asarray([33, 1], jnp.int32)
+    elif case == "len_neg":
+        ln = jnp.asarray([-1, 1], jnp.int32)
+    elif case == "scale":
+        kw = {"scale": "big"}
+    elif case.startswith("split_"):
+        kw = {"split_tokens": {"split_small": 0, "split_odd": 96, "split_big": 4096,
+                               "split_type": 64.0, "split_many": 64}[case]}
+        if case == "split_many":  # 2**18 pages of 16 per sequence: > 65535 splits of 64
+            pt = jnp.zeros((2, 1 << 18), jnp.int32)
+    with pytest.raises(exc, match=match):
+        attention.paged_decode_attention(q, kp, vp, pt, ln, **kw)
+    if case not in ("page_oob", "page_neg", "len_cap", "len_neg"):  # trace-time checks
+        with pytest.raises(exc, match=match):
+            attention_reference.paged_decode_attention(q, kp, vp, pt, ln, **kw)
+
+
+def test_decode_unused_table_entries_may_be_garbage():
+    q, kp, vp, pt, _ = decode_inputs()
+    pt = jnp.asarray([[1, -1], [2, 99]], jnp.int32)  # second pages unused at length 16
+    ln = jnp.asarray([16, 16], jnp.int32)
+    attention.paged_decode_attention(q, kp, vp, pt, ln)
+
+
+# ---- GPU: the CUDA handlers against the CPU ones ----------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_matches_cpu(rng, dtype, d):
+    st = 256
+    lengths = [1, 16, 2 * st + 5, 3 * st]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, d, dtype)
+    q = normal(rng, (4, 8, d), dtype)
+    dec = jax.jit(attention.paged_decode_attention)
+    gpu = dec(q, kp, vp, table, ln)
+    cpu = on_cpu(dec, q, kp, vp, table, ln)
+    assert_close(gpu, cpu, dtype, "decode cuda vs cpu")
+    assert_equal(gpu, dec(q, kp, vp, table, ln), "decode cuda run to run")
+    k, v = normal(rng, (7, 2, d), dtype), normal(rng, (7, 2, d), dtype)
+    slots = jnp.asarray([0, 3, -1, 40, 10**6, 17, -2], jnp.int32)
+    wkv = jax.jit(attention.write_kv)
+    for g, c, what in zip(wkv(kp, vp, k, v, slots), on_cpu(wkv, kp, vp, k, v, slots), "kv"):
+        assert_equal(g, c, f"write_kv {what}")
+
+
+# ---- small edge cases (also run under compute-sanitizer on a GPU) -----------
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", ["len1", "empty", "full_page", "bad_pages", "group12"])
+def test_sanitize_decode_edges(rng, case):
+    dtype = jnp.bfloat16
+    lengths = {"len1": [1], "empty": [0, 1], "full_page": [16, 32], "bad_pages": [20, 3],
+               "group12": [300, 20]}[case]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 1, 64, dtype, extra_pages=0)
+    if case in ("bad_pages", "group12"):  # under jit: skipped, never read
+        table = table.at[0, 1].set(10**6).at[1, 0].set(-3)
+        ln = ln.at[1].set(10**6)
+    # group12: 12 query heads on one kv head, two blocks of 8 and 4 heads, two splits
+    q = normal(rng, (len(lengths), 12 if case == "group12" else 2, 64), dtype)
+    out = jax.jit(attention.paged_decode_attention)(q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, case)
+    k = normal(rng, (2, 1, 64), dtype)
+    sl = jnp.asarray([kp.shape[0] * 16 - 1, kp.shape[0] * 16], jnp.int32)  # last slot, one past
+    nk, nv = jax.jit(attention.write_kv)(kp, vp, k, k, sl)
+    assert_equal(nk, ref_write_kv(kp, vp, k, k, sl)[0], "write_kv edge")
+
+
+def test_decode_rejects_caches_past_int32_slots():
+    """The kernels index cache slots with int32: a cache of 2**31 slots or
+    more is rejected at trace time (shapes only, nothing allocated)."""
+    q = jax.ShapeDtypeStruct((1, 2, 64), jnp.bfloat16)
+    kp = jax.ShapeDtypeStruct((1 << 27, 16, 1, 64), jnp.bfloat16)
+    pt = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    ln = jax.ShapeDtypeStruct((1,), jnp.int32)
+    with pytest.raises(ValueError, match="int32"):
+        jax.eval_shape(attention.paged_decode_attention, q, kp, kp, pt, ln)
+    ok = jax.ShapeDtypeStruct(((1 << 27) - 1, 16, 1, 64), jnp.bfloat16)
+    assert jax.eval_shape(attention.paged_decode_attention, q, ok, ok, pt, ln).shape == (1, 2, 64)

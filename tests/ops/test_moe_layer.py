@@ -1,0 +1,113 @@
+"""Steps 1-7 in one call: ops.moe_layer with the bits of the four ops it
+replaces (route, token index, expert_mlp, combine), at every tile and
+activation, against its twin in jax_moe.reference. The contract on both
+backends at the edges is in test_conformance.py."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import (DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, mlp_weights, normal,
+                    router_logits)
+from jax_moe import ops, reference
+
+dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+
+
+# moe_layer: steps 1-7 in one call (on the GPU every kernel after the router
+# starts early by programmatic dependent launch), with the bits of the four
+# ops it replaces. (T, H, I, E, topk, experts the router may pick, routing):
+# one token; topk = E; H = 13 (K off the 16-byte loads); one expert; every
+# token on expert 2 of 4 (three empty); the first, a middle and the last
+# expert empty; T*k = 1200 entries (the token index's three-kernel form, past
+# one chunk of 256) with grouped sigmoid routing, a correction bias and a scale.
+MOE_LAYER_CASES = [
+    (1, 72, 4, 7, 2, None, {}),
+    (5, 13, 9, 4, 4, None, {}),
+    (37, 136, 24, 6, 3, None, {"renormalize": False}),
+    (9, 40, 16, 1, 1, None, {}),
+    (12, 64, 24, 4, 1, [2], {}),
+    (20, 48, 8, 8, 2, [1, 2, 3, 5, 6], {}),
+    # Grouped routing with a bias at decode size; T * k = 256 (on CUDA the
+    # largest token index of one launch) and 264 (three kernels).
+    (16, 64, 24, 16, 4, None, dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                                   routed_scaling_factor=2.5)),
+    (32, 48, 16, 64, 8, None, {}),
+    (33, 48, 16, 64, 8, None, {}),
+    (300, 64, 24, 16, 4, None, dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                                    routed_scaling_factor=2.5)),
+]
+MOE_LAYER_IDS = ["T1", "topk_eq_E", "H13_no_renorm", "one_expert", "all_on_one", "empty_edges",
+                 "grouped_sigmoid_T16", "T32_k8", "T33_k8", "grouped_sigmoid_T300"]
+
+
+def _moe_layer_inputs(rng, case, dtype, gated=True):
+    tokens, hidden, inter, experts, topk, allowed, kw = case
+    x = normal(rng, (tokens, hidden), dtype)
+    logits = router_logits(rng, tokens, experts, jnp.float32, allowed)
+    w13, w2 = mlp_weights(rng, experts, hidden, inter, dtype, gated=gated)
+    kw = dict(kw)
+    if "num_expert_group" in kw:
+        kw["e_score_correction_bias"] = jnp.asarray(rng.standard_normal(experts), jnp.float32)
+    return (x, logits, w13, w2, topk), kw
+
+
+def _layer_by_ops(mod, x, logits, w13, w2, topk, activation="silu", is_gated=True, tile_m=None,
+                  **routing):
+    weights, ids = mod.route(logits, topk, **routing)
+    src_to_dst, dst_to_src, sizes = mod.moe_compute_token_index(ids, w13.shape[0])
+    y = mod.expert_mlp(x, w13, w2, sizes, dst_to_src, topk, activation=activation,
+                       is_gated=is_gated, tile_m=tile_m)
+    return mod.moe_combine(y, weights, src_to_dst)
+
+
+@dtypes
+@pytest.mark.parametrize("tiles", [None, (8, 16), (32, 128), (256, 8)], ids=str)
+@pytest.mark.parametrize("case", MOE_LAYER_CASES, ids=MOE_LAYER_IDS)
+def test_moe_layer_same_bits_as_four_ops(rng, case, tiles, dtype):
+    args, kw = _moe_layer_inputs(rng, case, dtype)
+    got = jax.jit(functools.partial(ops.moe_layer, topk=args[-1], tile_m=tiles, **kw))(*args[:-1])
+    assert got.shape == args[0].shape and got.dtype == dtype
+    assert_equal(got, _layer_by_ops(ops, *args, tile_m=tiles, **kw), f"tiles={tiles}")
+    assert_close(got, reference.moe_layer(*args, **kw), dtype, "vs reference")
+    assert np.any(np.asarray(got, np.float32) != 0.0)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("is_gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("case", [MOE_LAYER_CASES[0], MOE_LAYER_CASES[-1]], ids=["T1", "T300"])
+def test_moe_layer_activations(rng, case, activation, is_gated):
+    args, kw = _moe_layer_inputs(rng, case, jnp.bfloat16, gated=is_gated)
+    got = ops.moe_layer(*args, activation=activation, is_gated=is_gated, **kw)
+    want = _layer_by_ops(ops, *args, activation=activation, is_gated=is_gated, **kw)
+    assert_equal(got, want, f"{activation}, gated={is_gated}")
+    assert_close(got, reference.moe_layer(*args, activation=activation, is_gated=is_gated, **kw),
+                 jnp.bfloat16, "vs reference")
+
+
+def test_moe_layer_rejects_bad_args():
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    logits = jnp.zeros((4, 2), jnp.float32)
+    w13 = jnp.zeros((2, 6, 8), jnp.bfloat16)
+    w2 = jnp.zeros((2, 8, 3), jnp.bfloat16)
+    for mod in (ops, reference):
+        with pytest.raises(ValueError, match="router_logits must be"):
+            mod.moe_layer(x, logits[:3], w13, w2, 2)
+        with pytest.raises(ValueError, match="router_logits has E=3"):
+            mod.moe_layer(x, jnp.zeros((4, 3)), w13, w2, 2)
+        with pytest.raises(ValueError, match="w2 must be"):
+            mod.moe_layer(x, logits, w13, jnp.zeros((2, 8, 4), jnp.bfloat16), 2)
+        with pytest.raises(ValueError, match="topk"):
+            mod.moe_layer(x, logits, w13, w2, 3)
+        with pytest.raises(TypeError, match="dtype"):
+            mod.moe_layer(x, logits, w13.astype(jnp.float32), w2, 2)
+        with pytest.raises(ValueError, match="activation"):
+            mod.moe_layer(x, logits, w13, w2, 2, activation="relu")
+        with pytest.raises(ValueError, match="scoring_func"):
+            mod.moe_layer(x, logits, w13, w2, 2, scoring_func="relu")
+        with pytest.raises(TypeError, match="tile_m must be None or a pair"):
+            mod.moe_layer(x, logits, w13, w2, 2, tile_m=8)
