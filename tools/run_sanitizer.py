@@ -7,9 +7,11 @@ driver runs the file's sanitize tests in one process; after a crash it runs
 the test that was running alone in a fresh process, then goes on with the
 rest. Exit 0 only when every test passed and no report has an error.
 
-    cd tests && python3 ../scripts/run_sanitizer.py memcheck test_attention.py LOGDIR
-(PYTHONPATH pointing at the built package; SANITIZE_K, if set, is a pytest -k
-expression narrowing the sanitize tests)
+    python3 tools/run_sanitizer.py memcheck tests/attention/test_paged_decode.py LOGDIR
+(jax_moe installed, or PYTHONPATH pointing at the built package; SANITIZE_K,
+if set, is a pytest -k expression narrowing the sanitize tests). Each
+sanitizer process logs to LOGDIR/<tool>_<test file>.<run>.log.
+tools/gpu_check.sh runs it over every file with `sanitize` marks.
 """
 import os
 import re
@@ -31,7 +33,8 @@ env = dict(os.environ, JAX_PLATFORMS="cuda",
            XLA_PYTHON_CLIENT_ALLOCATOR="platform")
 BAD = re.compile(r"^========= (Invalid|Program hit|Error|Race|Warning: Race|Malformed|Out-of-range)"
                  r"|(ERROR|RACECHECK) SUMMARY: [1-9]", re.M)
-OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR)", re.M)
+# A test id may hold spaces (parametrize ids such as "[(1, 8, 2048)]").
+OUTCOME = re.compile(r"^(\S+::.*?) (PASSED|FAILED|ERROR)(?= |$)", re.M)
 runs = 0
 
 
@@ -39,7 +42,7 @@ def run(ids):
     """(exit code, {test id: outcome}, report had errors) of one sanitizer process."""
     global runs
     runs += 1
-    log = os.path.join(log_dir, f"{tool}_{os.path.basename(test_file)}.{runs}.log")
+    log = os.path.join(log_dir, f"{tool}_{test_file.replace(os.sep, '_')}.{runs}.log")
     with open(log, "w") as fh:
         rc = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "9",
                              sys.executable, "-X", "faulthandler", "-m", "pytest", "-v",
@@ -59,7 +62,8 @@ if collect.returncode == 5:  # a file or -k expression that selects nothing: say
     print(f"{tool} {test_file}: no sanitize tests selected")
     sys.exit(0)
 if collect.returncode != 0:
-    print(f"{tool} {test_file}: collection failed\n{collect.stdout[-2000:]}{collect.stderr[-2000:]}")
+    print(f"{tool} {test_file}: collection failed\n"
+          f"{collect.stdout[-2000:]}{collect.stderr[-2000:]}")
     sys.exit(1)
 todo = [line.strip() for line in collect.stdout.splitlines() if "::" in line]
 passed, failed, crashed, dirty = [], [], [], False
@@ -74,7 +78,8 @@ while todo:
     cur, todo = rest[0], rest[1:]  # it crashed in `cur`: that test alone, then the rest
     rc, outcomes, bad = run([cur])
     dirty |= bad
-    {"PASSED": passed, "FAILED": failed, "ERROR": failed}.get(outcomes.get(cur), crashed).append(cur)
+    outcome = outcomes.get(cur)
+    {"PASSED": passed, "FAILED": failed, "ERROR": failed}.get(outcome, crashed).append(cur)
 print(f"{tool} {test_file}: {len(passed)} passed, {len(failed)} failed {failed}, "
       f"{len(crashed)} crashed twice {crashed}; reports {'WITH ERRORS' if dirty else 'clean'}")
 sys.exit(0 if passed and not failed and not crashed and not dirty else 1)
