@@ -12,6 +12,7 @@
 #endif
 #ifdef JAX_MOE_WITH_SM90
 #include "kernels/cuda/group_gemm/gemm_sm90a.h"
+#include "kernels/cuda/group_gemm/wgrad_sm90a.h"
 #endif
 
 namespace nb = nanobind;
@@ -73,6 +74,18 @@ NB_MODULE(_jax_moe, m) {
 #else
   m.attr("HAS_SM90_GEMM") = false;
 #endif
+  // 0 where the build has no sm90 kernel: group_gemm_wgrad's scratch is then empty.
+  m.def("group_gemm_wgrad_sm90_scratch_bytes",
+        []([[maybe_unused]] int64_t m, [[maybe_unused]] int64_t k,
+           [[maybe_unused]] int64_t groups, [[maybe_unused]] bool gather) -> int64_t {
+#ifdef JAX_MOE_WITH_SM90
+          return GroupGemmWgradSm90ScratchBytes(m, k, groups, gather);
+#else
+          return 0;
+#endif
+        },
+        nb::arg("m"), nb::arg("k"), nb::arg("groups"), nb::arg("gather"),
+        "Bytes of group_gemm_wgrad's scratch output for the sm90 path (0 without it).");
   m.attr("INDEX_CHUNK") = kIndexChunk;
   // moe_decode's limits, which both handlers enforce; Python checks against these.
   nb::dict decode;

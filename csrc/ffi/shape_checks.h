@@ -217,4 +217,31 @@ inline ffi::Error CheckActivation(const ffi::AnyBuffer& h, int64_t activation, b
   return CheckFloat(h.element_type(), "h");
 }
 
+// group_gemm_wgrad: dy (M, N); x (M, K), or with `gather` x (T, K) and rows
+// (M,) naming token rows; out (E, N, K) with E = expert_sizes' entries. Fills
+// d: m = M, k = K, groups = E, n = N, x_rows = x's rows.
+inline ffi::Error CheckGroupGemmWgrad(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+                                      const ffi::Buffer<ffi::S32>& sizes,
+                                      const ffi::Buffer<ffi::S32>& rows, bool gather,
+                                      int64_t topk, const ffi::AnyBuffer& out, GemmDims* d) {
+  auto dd = dy.dimensions();
+  auto xd = x.dimensions();
+  auto od = out.dimensions();
+  if (dd.size() != 2 || xd.size() != 2 || od.size() != 3)
+    return InvalidArg("group_gemm_wgrad: dy must be (M, N), x (M, K) or (T, K), out (E, N, K)");
+  *d = {dd[0], xd[1], static_cast<int64_t>(sizes.element_count()), dd[1], xd[0]};
+  if (gather && static_cast<int64_t>(rows.element_count()) != d->m)
+    return InvalidArg("group_gemm_wgrad: dst_to_src must have M entries (dy's rows)");
+  if (!gather && d->x_rows != d->m)
+    return InvalidArg("group_gemm_wgrad: x and dy must have M rows");
+  if (od[0] != d->groups || od[1] != d->n || od[2] != d->k)
+    return InvalidArg("group_gemm_wgrad: output must be (E, N, K)");
+  if (auto err = CheckFloat(dy.element_type(), "group_gemm_wgrad: dy"); err.failure()) return err;
+  if (x.element_type() != dy.element_type() || out.element_type() != dy.element_type())
+    return InvalidArg("group_gemm_wgrad: dy, x and the output must share a dtype");
+  if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
+    return InvalidArg("group_gemm_wgrad: topk must be in [1, 2^20]");
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_moe

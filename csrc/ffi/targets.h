@@ -24,7 +24,8 @@ namespace jax_moe {
   X("jax_moe_combine", Combine)            \
   X("jax_moe_write_kv", WriteKv)           \
   X("jax_moe_paged_decode", PagedDecode)   \
-  X("jax_moe_fill_rows", FillRows)
+  X("jax_moe_fill_rows", FillRows)         \
+  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad)
 
 #define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
 JAX_MOE_TARGETS(JAX_MOE_DECLARE_CPU)
@@ -216,6 +217,20 @@ auto MoeDecodeSignature(Bound bound) {
       .template Attr<float>("routed_scaling_factor")
       .template Ret<xla::ffi::AnyBuffer>()  // out (1, H)
       .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: act (topk, I)
+}
+
+// group_gemm_wgrad (ops.group_gemm_wgrad): the weight gradient of group_gemm
+template <typename Bound>
+auto GroupGemmWgradSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // dy (M, N)
+      .template Arg<xla::ffi::AnyBuffer>()  // x (M, K), or (T, K) with a gather
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src of the gather, or empty
+      .template Attr<bool>("gather")
+      .template Attr<int64_t>("topk")
+      .template Ret<xla::ffi::AnyBuffer>()  // dw (E, N, K)
+      .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
 }
 
 }  // namespace jax_moe
