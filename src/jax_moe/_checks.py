@@ -452,3 +452,27 @@ def decode_supported(hidden_states, router_logits, w13, w2, topk_value) -> bool:
     """moe_decode_supported's arguments checked; whether the kernel takes them."""
     k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, None, True)
     return decode_limits(hidden_states, w13, w2, k) is None
+
+
+def group_gemm_wgrad_args(dy, x, expert_sizes, dst_to_src, topk_value) -> int:
+    """group_gemm_wgrad's arguments; returns topk."""
+    rank(dy, "dy", 2)
+    float_dtype(dy, "dy")
+    rank(x, "x", 2)
+    same_dtype(dy, "dy", x, "x")
+    rank(expert_sizes, "expert_sizes", 1)
+    int_dtype(expert_sizes, "expert_sizes")
+    k = static_int(topk_value, "topk")
+    if k < 1:
+        raise ValueError(f"topk must be >= 1, got {k}")
+    m = dy.shape[0]
+    if dst_to_src is None:
+        if x.shape[0] != m:
+            raise ValueError(f"x must have M={m} rows (dy's) without dst_to_src, got {x.shape}")
+    else:
+        rank(dst_to_src, "dst_to_src", 1)
+        int_dtype(dst_to_src, "dst_to_src")
+        if dst_to_src.shape[0] != m:
+            raise ValueError(
+                f"dst_to_src must have M={m} entries (dy's rows), got {dst_to_src.shape[0]}")
+    return k

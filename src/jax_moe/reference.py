@@ -31,6 +31,7 @@ __all__ = [
     "moe_combine",
     "moe_layer",
     "moe_decode",
+    "group_gemm_wgrad",
 ]
 
 
@@ -143,6 +144,14 @@ def moe_decode(hidden_states, router_logits, w13, w2, topk: int, *, renormalize:
                                       renormalize=renormalize,
                                       routed_scaling_factor=routed_scaling_factor)
     return _moe_decode(hidden_states, router_logits, w13, w2, routing)
+
+
+def group_gemm_wgrad(dy, x, expert_sizes, *, dst_to_src=None, topk: int = 1):
+    """The weight gradient of group_gemm / group_gemm_gather: dw[e] =
+    dy[rows of e].T @ x[rows of e] (x's rows gathered through dst_to_src when
+    given), f32 accumulation, exactly zero for experts without rows."""
+    k = _checks.group_gemm_wgrad_args(dy, x, expert_sizes, dst_to_src, topk)
+    return _group_gemm_wgrad(dy, x, expert_sizes, dst_to_src, k)
 
 
 # ---- the unchecked twins: checked arguments, normalised static values ------------
@@ -260,3 +269,22 @@ def _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
 def _moe_decode(hidden_states, router_logits, w13, w2, r: _checks.Routing):
     """moe_layer with softmax routing (r) and gated SiLU."""
     return _moe_layer(hidden_states, router_logits, w13, w2, None, _checks.Layer(routing=r))
+
+
+def _group_gemm_wgrad(dy, x, expert_sizes, rows, topk: int):
+    """rows: dst_to_src of a gather, or None. Each expert's rows are selected
+    from both operands by a mask (the rows outside it become +0, so nothing
+    from them, not even a NaN, reaches that expert), then one batched f32
+    dot per expert: E x M x (N + K) memory, a test oracle's cost."""
+    m = dy.shape[0]
+    if rows is not None:  # no tokens (T = 0): every row is a zero row
+        x = _expand(x, rows, topk) if x.shape[0] else jnp.zeros((m, x.shape[1]), x.dtype)
+    sizes = _clamped_sizes(expert_sizes, m)
+    end = jnp.cumsum(sizes)
+    r = jnp.arange(m, dtype=end.dtype)
+    owned = ((r[None, :] >= (end - sizes)[:, None]) & (r[None, :] < end[:, None]))[..., None]
+    dy_e = jnp.where(owned, dy.astype(jnp.float32)[None], 0.0)
+    x_e = jnp.where(owned, x.astype(jnp.float32)[None], 0.0)
+    dw = jnp.einsum("emn,emk->enk", dy_e, x_e, precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+    return dw.astype(dy.dtype)
