@@ -85,6 +85,30 @@ def group_gemm(x, w, expert_sizes):
     return out
 
 
+def group_gemm_wgrad(dy, x, expert_sizes, dst_to_src=None, topk=1):
+    """dw[e] = sum over the rows r of expert e of outer(dy[r], x_r) (float64):
+    expert e owns the next max(size, 0) rows, cut at M; x_r = x[r], or
+    x[dst_to_src[r] // topk] (nothing where dst_to_src[r] is outside
+    [0, T * topk))."""
+    dy, x = f64(dy), f64(x)
+    m = dy.shape[0]
+    sizes = np.asarray(expert_sizes)
+    out = np.zeros((sizes.size, dy.shape[1], x.shape[1]))
+    start = 0
+    for e, size in enumerate(sizes):
+        stop = min(start + max(int(size), 0), m)
+        for r in range(start, stop):
+            src = r
+            if dst_to_src is not None:
+                s = int(dst_to_src[r])
+                if not 0 <= s < x.shape[0] * topk:
+                    continue
+                src = s // topk
+            out[e] += np.outer(dy[r], x[src])
+        start = stop
+    return out
+
+
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
 

@@ -170,6 +170,8 @@ OPS = {  # name: (args, keyword arguments, the entry check)
     "moe_combine": ((sds((M, H)), sds((T, K)), sds((M,), jnp.int32)), {}, "combine_args"),
     "moe_decode": (layer_args(tokens=1, hidden=256, inter=256, dtype=jnp.bfloat16) + (K,), {},
                    "moe_decode_args"),
+    "group_gemm_wgrad": ((sds((M, 2 * I)), sds((M, H)), sds((E,), jnp.int32)), dict(topk=1),
+                         "group_gemm_wgrad_args"),
 }
 
 
