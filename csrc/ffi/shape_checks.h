@@ -200,6 +200,30 @@ inline ffi::Error CheckCombine(const ffi::AnyBuffer& y, const ffi::Buffer<ffi::F
   return CheckFloat(y.element_type(), "y");
 }
 
+// combine_bwd: g (T, H) and dy (M, H) of y's dtype, src_to_dst (T*k,),
+// dst_to_src (M,), dw (T, k); the dims are the forward's.
+inline ffi::Error CheckCombineBwd(const ffi::AnyBuffer& g, const ffi::AnyBuffer& y,
+                                  const ffi::Buffer<ffi::F32>& weights,
+                                  const ffi::Buffer<ffi::S32>& src_to_dst,
+                                  const ffi::Buffer<ffi::S32>& dst_to_src, const ffi::AnyBuffer& dy,
+                                  const ffi::Buffer<ffi::F32>& dw, CombineDims* d) {
+  *d = {LeadingRows(y.dimensions()), LastDim(y.dimensions()),
+        LeadingRows(weights.dimensions()), LastDim(weights.dimensions())};
+  if (g.element_count() != static_cast<size_t>(d->tokens * d->hidden) ||
+      g.element_type() != y.element_type())
+    return InvalidArg("moe_combine backward: g must be (T, H) of y's dtype");
+  if (static_cast<int64_t>(src_to_dst.element_count()) != d->tokens * d->k)
+    return InvalidArg("moe_combine backward: src_to_dst must have T*topk entries");
+  if (static_cast<int64_t>(dst_to_src.element_count()) != d->m)
+    return InvalidArg("moe_combine backward: dst_to_src must have one entry per row of y");
+  if (dy.element_count() != static_cast<size_t>(d->m * d->hidden) ||
+      dy.element_type() != y.element_type())
+    return InvalidArg("moe_combine backward: dy must be (M, H) of y's dtype");
+  if (static_cast<int64_t>(dw.element_count()) != d->tokens * d->k)
+    return InvalidArg("moe_combine backward: dw must be (T, topk)");
+  return CheckFloat(y.element_type(), "y");
+}
+
 struct ActDims {
   int64_t rows, width, inter;  // input rows x width -> rows x inter
 };

@@ -25,7 +25,8 @@ namespace jax_moe {
   X("jax_moe_write_kv", WriteKv)           \
   X("jax_moe_paged_decode", PagedDecode)   \
   X("jax_moe_fill_rows", FillRows)         \
-  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad)
+  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad) \
+  X("jax_moe_combine_bwd", CombineBwd)
 
 #define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
 JAX_MOE_TARGETS(JAX_MOE_DECLARE_CPU)
@@ -120,6 +121,19 @@ auto CombineSignature(Bound bound) {
       .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // topk_weights
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src_to_dst
       .template Ret<xla::ffi::AnyBuffer>();  // out
+}
+
+// combine_bwd (the VJP of ops.moe_combine)
+template <typename Bound>
+auto CombineBwdSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // g, the output's cotangent (T, H)
+      .template Arg<xla::ffi::AnyBuffer>()  // y (M, H)
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // topk_weights (T, k)
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src_to_dst (T*k,)
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src (M,)
+      .template Ret<xla::ffi::AnyBuffer>()  // dy (M, H)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // dw (T, k)
 }
 
 // write_kv (attention.write_kv; the results alias k_pages and v_pages)

@@ -256,6 +256,31 @@ def _combine(y, topk_weights, src_to_dst):
     return jnp.sum(rows * w[..., None], axis=1).astype(y.dtype)
 
 
+def _combine_bwd(g, y, topk_weights, src_to_dst, dst_to_src):
+    """The combine's backward (ops.combine._combine_bwd's twin): dy[r] =
+    w[i] * g[i // k] for i = dst_to_src[r] when 0 <= i < T*k and
+    src_to_dst[i] == r, else zero (y's dtype); dw[t, j] = sum_h y[r, h] *
+    g[t, h] in f32 for r = src_to_dst[t*k + j] in [0, M), else 0."""
+    rows, hidden = y.shape
+    tokens, k = topk_weights.shape
+    slots = tokens * k
+    w = topk_weights.astype(jnp.float32).reshape(-1)
+    s2d = src_to_dst.astype(jnp.int32)
+    d2s = dst_to_src.astype(jnp.int32)
+    gf = g.astype(jnp.float32)
+    if slots == 0:
+        return jnp.zeros_like(y), jnp.zeros((tokens, k), jnp.float32)
+    slot = jnp.clip(d2s, 0, slots - 1)
+    owned = (d2s >= 0) & (d2s < slots) & (s2d[slot] == jnp.arange(rows))
+    dy = jnp.where(owned[:, None], w[slot][:, None] * gf[slot // k], 0.0).astype(y.dtype)
+    valid = (s2d >= 0) & (s2d < rows)
+    if rows == 0:
+        return dy, jnp.zeros((tokens, k), jnp.float32)
+    named = y[jnp.clip(s2d, 0, rows - 1)].astype(jnp.float32).reshape(tokens, k, hidden)
+    dots = jnp.sum(named * gf[:, None, :], axis=-1)  # elementwise: no reduced-precision dot
+    return dy, jnp.where(valid.reshape(tokens, k), dots, 0.0)
+
+
 def _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
                spec: _checks.Layer):
     r = spec.routing
