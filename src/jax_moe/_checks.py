@@ -67,6 +67,7 @@ class Layer:
     activation: str = "silu"
     is_gated: bool = True
     tile_m: tuple = (None, None)
+    remat: bool = False  # the backward recomputes the w13 GEMM instead of keeping it
 
 
 # ---- building blocks --------------------------------------------------------

@@ -59,7 +59,7 @@ class Steps:
     # (x, w13, w2, expert_sizes, dst_to_src, topk, activation name, is_gated,
     #  (w13's, w2's) tile_m) -> (M, H)
     expert_mlp: Callable
-    # (y, topk_weights, src_to_dst) -> (T, H)
+    # (y, topk_weights, src_to_dst, dst_to_src=None: its inverse, if known) -> (T, H)
     combine: Callable
     # (hidden_states, router_logits, w13, w2, e_score_correction_bias or None, Layer) -> (T, H)
     moe_layer: Callable

@@ -18,7 +18,6 @@ from jax_moe import _checks, backends
 __all__ = ["moe_forward", "MoEConfig", "MoELayer"]
 
 _FFI = backends.steps("ffi")
-_REFERENCE = backends.steps("reference")
 
 
 def _dense_mlp(steps, x, w_up, w_down, spec: _checks.Layer):
@@ -74,32 +73,13 @@ def _layer(steps, spec: _checks.Layer, a: dict):
     return out.astype(x.dtype)
 
 
-# The FFI kernels have no backward pass: under jax.grad the ffi backend runs
-# its forward through the kernels and its backward as the VJP of the
-# reference layer (recomputed), so gradients are exact and training works.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ffi_layer(spec: _checks.Layer, a: dict):
-    return _layer(_FFI, spec, a)
-
-
-def _ffi_layer_fwd(spec, a):
-    return _layer(_FFI, spec, a), a
-
-
-def _ffi_layer_bwd(spec, a, g):
-    _, vjp = jax.vjp(lambda arrays: _layer(_REFERENCE, spec, arrays), a)
-    return vjp(g)
-
-
-_ffi_layer.defvjp(_ffi_layer_fwd, _ffi_layer_bwd)
-
-
 def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
                 renormalize: bool = True, activation: str = "silu", is_gated: bool = True,
                 scoring_func: str = "softmax", num_expert_group: int | None = None,
                 topk_group: int | None = None, e_score_correction_bias=None,
                 routed_scaling_factor: float = 1.0, shared_w13=None, shared_w2=None,
-                shared_gate=None, shared_expert_output=None, backend: str = "ffi"):
+                shared_gate=None, shared_expert_output=None, remat: bool = False,
+                backend: str = "ffi"):
     """The MoE layer forward: route, group by expert, expert FFN, combine.
 
     hidden_states (T, H); router_logits (T, E) (any float dtype; routing in
@@ -118,13 +98,20 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     gate) per token (Qwen2-MoE). shared_expert_output (T, H) adds an output
     computed elsewhere.
 
-    backend: "ffi" (the custom calls; differentiable, with the reference
-    layer's VJP as backward) or "reference" (plain jax.numpy); see
+    Differentiable in hidden_states, router_logits, w13, w2 and the shared
+    experts' arrays. On the "ffi" backend the backward runs on the kernels
+    (grouped GEMMs against the weights for the inputs' gradients, k-grouped
+    GEMMs for the weights', the combine's and the router's backward); the
+    forward keeps the token index, the w13 GEMM's output (T*k rows of 2I)
+    and the expert outputs (T*k rows of H) for it. remat=True keeps no w13
+    output and recomputes that GEMM in the backward instead.
+
+    backend: "ffi" (the custom calls) or "reference" (plain jax.numpy); see
     jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``
     (softmax routing without groups or bias, gated SiLU) runs ops.moe_decode.
     Jit it with the non-array arguments static: ``static_argnames=("topk",
     "renormalize", "activation", "is_gated", "scoring_func", "num_expert_group",
-    "topk_group", "routed_scaling_factor", "backend")``.
+    "topk_group", "routed_scaling_factor", "remat", "backend")``.
     """
     steps = backends.steps(backend)
     spec = _checks.forward_args(
@@ -134,12 +121,13 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
         e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor, shared_w13=shared_w13, shared_w2=shared_w2,
         shared_gate=shared_gate, shared_expert_output=shared_expert_output)
+    if not isinstance(remat, bool):
+        raise TypeError(f"remat must be a bool, got {type(remat).__name__}")
+    spec = dataclasses.replace(spec, remat=remat)
     arrays = dict(hidden_states=hidden_states, router_logits=router_logits, w13=w13, w2=w2,
                   e_score_correction_bias=e_score_correction_bias, shared_w13=shared_w13,
                   shared_w2=shared_w2, shared_gate=shared_gate,
                   shared_expert_output=shared_expert_output)
-    if steps is _FFI:
-        return _ffi_layer(spec, arrays)
     return _layer(steps, spec, arrays)
 
 

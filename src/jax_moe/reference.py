@@ -159,12 +159,8 @@ def group_gemm_wgrad(dy, x, expert_sizes, *, dst_to_src=None, topk: int = 1):
 def _route(router_logits, e_score_correction_bias, r: _checks.Routing):
     tokens, experts = router_logits.shape
     groups = r.num_expert_group
-    logits = router_logits.astype(jnp.float32)
-    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # as the kernels: NaN never wins
-    if r.scoring_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = jax.nn.sigmoid(logits)
+    logits = _finite_or_minus_inf(router_logits)
+    scores = _scores(logits, r)
     if e_score_correction_bias is None and groups == 1:
         choice = logits
     else:
@@ -179,12 +175,36 @@ def _route(router_logits, e_score_correction_bias, r: _checks.Routing):
         keep = jnp.sum(jax.nn.one_hot(chosen, groups, dtype=jnp.int32), axis=1) > 0
         choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, r.topk)
+    return _chosen_weights(scores, ids, r), ids.astype(jnp.int32)
+
+
+def _finite_or_minus_inf(router_logits):
+    """The logits in f32 with NaN as -inf (as the kernels: NaN never wins)."""
+    logits = router_logits.astype(jnp.float32)
+    return jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+
+
+def _scores(logits, r: _checks.Routing):
+    """The router's f32 scores of the f32 logits (NaN already -inf)."""
+    return jax.nn.softmax(logits, axis=-1) if r.scoring_func == "softmax" else jax.nn.sigmoid(logits)
+
+
+def _chosen_weights(scores, ids, r: _checks.Routing):
+    """The top-k weights of the chosen experts `ids`: their scores,
+    renormalised if asked, times routed_scaling_factor."""
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if r.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if r.routed_scaling_factor != 1.0:
         weights = weights * jnp.float32(r.routed_scaling_factor)
-    return weights, ids.astype(jnp.int32)
+    return weights
+
+
+def _route_weights(router_logits, ids, r: _checks.Routing):
+    """The top-k weights as a function of the logits for a fixed choice of
+    experts: what the router's gradient flows through (the choice itself,
+    and so the correction bias and the groups, get none)."""
+    return _chosen_weights(_scores(_finite_or_minus_inf(router_logits), r), ids, r)
 
 
 def _token_index(topk_ids, num_experts: int, start: int, local: int):
@@ -225,8 +245,9 @@ def _group_gemm(x, w, expert_sizes):
 
 
 def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,
-                tiles=(None, None)):
-    """tiles: accepted for parity with ops, not used."""
+                tiles=(None, None), remat: bool = False):
+    """tiles and remat: accepted for parity with ops, not used (autodiff of
+    plain jax.numpy keeps what XLA decides)."""
     h = _group_gemm(_expand(x, dst_to_src, k), w13, expert_sizes)
     return _group_gemm(_activation(h, activation, is_gated), w2, expert_sizes)
 
@@ -248,7 +269,8 @@ def _activation(h, activation: str, gated: bool):
     return (_act(hf[..., :inter], activation) * hf[..., inter:]).astype(h.dtype)
 
 
-def _combine(y, topk_weights, src_to_dst):
+def _combine(y, topk_weights, src_to_dst, dst_to_src=None):
+    """dst_to_src: accepted for parity with ops (its backward's hint), not used."""
     tokens, k = topk_weights.shape
     valid = (src_to_dst >= 0) & (src_to_dst < y.shape[0])
     rows = y[jnp.where(valid, src_to_dst, 0)].astype(jnp.float32).reshape(tokens, k, y.shape[1])

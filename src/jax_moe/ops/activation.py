@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
-from jax_moe import _checks
+from jax_moe import _checks, reference
 from jax_moe.ops._common import sds
 
 
@@ -35,8 +37,33 @@ def gelu_and_mul(h, approximate: bool = False):
     return _activation(h, name, True)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _activation(h, name: str, gated: bool):
-    """gated_activation (gated) or activation on checked arguments."""
+    """gated_activation (gated) or activation on checked arguments;
+    differentiable."""
+    return _activation_call(h, name, gated)
+
+
+def _activation_fwd(h, name, gated):
+    return _activation_call(h, name, gated), h
+
+
+def _activation_bwd(name, gated, h, g):
+    return (activation_vjp(h, g, name, gated),)
+
+
+def activation_vjp(h, g, name: str, gated: bool):
+    """The gradient of the activation at h for the output cotangent g, in h's
+    dtype: elementwise, which XLA fuses into one pass over h and g."""
+    _, vjp = jax.vjp(lambda v: reference._activation(v, name, gated), h)
+    return vjp(g.astype(h.dtype))[0]
+
+
+_activation.defvjp(_activation_fwd, _activation_bwd)
+
+
+def _activation_call(h, name: str, gated: bool):
+    """The jax_moe_activation custom call."""
     width = h.shape[-1] // 2 if gated else h.shape[-1]
     call = jax.ffi.ffi_call(
         "jax_moe_activation", sds(h.shape[:-1] + (width,), h.dtype),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe import _checks, reference
+from jax_moe import _checks
 from jax_moe.ops._common import sds
 
 
@@ -20,16 +20,58 @@ def moe_combine(y, topk_weights, src_to_dst):
 
 
 def _combine_call(y, topk_weights, src_to_dst):
+    """The jax_moe_combine custom call."""
     tokens = topk_weights.shape[0]
     call = jax.ffi.ffi_call(
         "jax_moe_combine", sds((tokens, y.shape[1]), y.dtype), vmap_method="sequential")
     return call(y, topk_weights.astype(jnp.float32), src_to_dst.astype(jnp.int32))
 
 
+def _combine(y, topk_weights, src_to_dst, dst_to_src=None):
+    """moe_combine on checked arguments; differentiable in y and
+    topk_weights. dst_to_src: src_to_dst's inverse when the caller has it
+    (step 2 returns both), which spares the backward building it."""
+    return _combine_diff(y, topk_weights, src_to_dst, dst_to_src)
+
+
 @jax.custom_vjp
-def _combine(y, topk_weights, src_to_dst):
-    """moe_combine on checked arguments."""
+def _combine_diff(y, topk_weights, src_to_dst, dst_to_src):
+    """_combine; dst_to_src names each row once, or is None."""
     return _combine_call(y, topk_weights, src_to_dst)
+
+
+def _combine_vjp_fwd(y, topk_weights, src_to_dst, dst_to_src):
+    out = _combine_call(y, topk_weights, src_to_dst)
+    return out, (y, topk_weights, src_to_dst, dst_to_src)
+
+
+def _combine_vjp_bwd(res, g):
+    y, w, s2d, d2s = res
+    rows = y.shape[0]
+    if rows == 0:  # no rows: every slot counts as zero
+        return jnp.zeros_like(y), jnp.zeros_like(w), None, None
+    if d2s is not None:
+        dy, dw = _combine_bwd(g, y, w, s2d, d2s)
+        return dy, dw.astype(w.dtype), None, None
+    # Without step 2's map: the last slot that names a row is its kernel
+    # slot (max is order-free), and a slot sharing its row with another
+    # (which step 2 never makes) is added after with an XLA scatter-add.
+    # No jax.lax.cond: on the GPU its predicate would be copied to the host.
+    s2d = s2d.astype(jnp.int32)
+    slots = jnp.arange(s2d.shape[0], dtype=jnp.int32)
+    valid = (s2d >= 0) & (s2d < rows)
+    at = jnp.where(valid, s2d, rows)  # `rows`: dropped
+    inverse = jnp.full((rows,), -1, jnp.int32).at[at].max(slots, mode="drop")
+    dy, dw = _combine_bwd(g, y, w, s2d, inverse)
+    shared = valid & (inverse[jnp.minimum(at, rows - 1)] != slots)
+    k = w.shape[1]
+    extra = w.reshape(-1, 1).astype(jnp.float32) * jnp.repeat(g.astype(jnp.float32), k, axis=0)
+    fix = jnp.zeros(y.shape, jnp.float32).at[jnp.where(shared, s2d, rows)].add(
+        extra, mode="drop")
+    return (dy.astype(jnp.float32) + fix).astype(y.dtype), dw.astype(w.dtype), None, None
+
+
+_combine_diff.defvjp(_combine_vjp_fwd, _combine_vjp_bwd)
 
 
 def _combine_bwd(g, y, topk_weights, src_to_dst, dst_to_src):
@@ -47,50 +89,3 @@ def _combine_bwd(g, y, topk_weights, src_to_dst, dst_to_src):
         vmap_method="sequential")
     return call(g.astype(y.dtype), y, topk_weights.astype(jnp.float32),
                 src_to_dst.astype(jnp.int32), dst_to_src.astype(jnp.int32))
-
-
-def _inverse_map(src_to_dst, rows: int):
-    """(dst_to_src (rows,): the slot that names each row, -1 where none does;
-    whether some row is named by two slots), on the device. Where two slots
-    name one row, dst_to_src holds one of them."""
-    slots = jnp.arange(src_to_dst.shape[0], dtype=jnp.int32)
-    valid = (src_to_dst >= 0) & (src_to_dst < rows)
-    # `rows` is out of range and dropped; a negative index would wrap around.
-    d2s = jnp.full((rows,), -1, jnp.int32).at[jnp.where(valid, src_to_dst, rows)].set(
-        slots, mode="drop", unique_indices=True)
-    # Every slot whose row does not name it back shares that row with another.
-    named_back = d2s[jnp.clip(src_to_dst, 0, rows - 1)] == slots
-    return d2s, jnp.any(valid & ~named_back)
-
-
-def _reference_grads(g, y, topk_weights, src_to_dst):
-    _, vjp = jax.vjp(lambda y_, w_: reference._combine(y_, w_, src_to_dst), y, topk_weights)
-    return vjp(g)
-
-
-def _combine_vjp_fwd(y, topk_weights, src_to_dst):
-    return _combine_call(y, topk_weights, src_to_dst), (y, topk_weights, src_to_dst)
-
-
-def _combine_vjp_bwd(res, g):
-    y, topk_weights, src_to_dst = res
-    s2d = src_to_dst.astype(jnp.int32)
-    if y.shape[0] == 0:  # no rows: every slot counts as zero
-        return jnp.zeros_like(y), jnp.zeros_like(topk_weights), None
-
-    def kernel(g, y, w, s2d, d2s):
-        dy, dw = _combine_bwd(g, y, w, s2d, d2s)
-        return dy, dw.astype(w.dtype)
-
-    def shared_rows(g, y, w, s2d, d2s):
-        return _reference_grads(g, y, w, s2d)
-
-    # Step 2's maps name each row at most once (the kernel's rule); a map
-    # that names a row twice takes the reference's VJP, chosen on the device.
-    d2s, shared = _inverse_map(s2d, y.shape[0])
-    dy, dw = jax.lax.cond(shared, shared_rows, kernel, g.astype(y.dtype), y, topk_weights,
-                          s2d, d2s)
-    return dy, dw, None
-
-
-_combine.defvjp(_combine_vjp_fwd, _combine_vjp_bwd)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks, tuning
 from jax_moe.ops._common import gemm_tile, sds
-from jax_moe.ops.activation import _activation
-from jax_moe.ops.group_gemm import _group_gemm
+from jax_moe.ops.activation import _activation_call, activation_vjp
+from jax_moe.ops.group_gemm import _group_gemm_call, group_gemm_vjp
 
 
 def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
@@ -37,21 +39,71 @@ def _mlp_tiles(m: int, w13, w2, dtype, tiles) -> tuple:
 
 
 def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,
-                tiles=(None, None)):
-    """expert_mlp on checked arguments; tiles: the checked (w13's, w2's) tile_m."""
+                tiles=(None, None), remat: bool = False):
+    """expert_mlp on checked arguments; tiles: the checked (w13's, w2's)
+    tile_m. Differentiable in x, w13 and w2 on the kernels (expert_mlp_vjp);
+    remat: the backward recomputes the w13 GEMM instead of keeping its
+    output (M, 2I) from the forward."""
+    return _expert_mlp_diff(x, w13, w2, expert_sizes, dst_to_src, None, k, activation, is_gated,
+                            tuple(tiles), bool(remat))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _expert_mlp_diff(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation, is_gated,
+                     tiles, remat):
+    """_expert_mlp with the inverse map src_to_dst (or None) that its
+    backward may use."""
+    return _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
+                            tiles)[0]
+
+
+def _expert_mlp_fwd(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation, is_gated,
+                    tiles, remat):
+    out, h = _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
+                              tiles)
+    return out, (x, w13, w2, expert_sizes, dst_to_src, src_to_dst, None if remat else h)
+
+
+def _expert_mlp_bwd(k, activation, is_gated, tiles, remat, res, g):
+    x, w13, w2, expert_sizes, dst_to_src, src_to_dst, h = res
+    return expert_mlp_vjp(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation,
+                          is_gated, h, g) + (None, None, None)
+
+
+_expert_mlp_diff.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
+
+
+def expert_mlp_vjp(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k: int, activation: str,
+                   is_gated: bool, h, g):
+    """(dx, dw13, dw2) of expert_mlp for the output cotangent g (M, H); h: the
+    forward's w13 GEMM output, or None to recompute it. The activation is
+    recomputed from h (the same kernel, so the same bits as the forward);
+    its backward is elementwise (XLA); every GEMM runs on the kernels."""
+    if h is None:
+        h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, None)
+    a = _activation_call(h, activation, is_gated)
+    da, dw2 = group_gemm_vjp(a, w2, expert_sizes, None, 1, g)
+    dh = activation_vjp(h, da, activation, is_gated)
+    dx, dw13 = group_gemm_vjp(x, w13, expert_sizes, dst_to_src, k, dh, src_to_dst)
+    return dx, dw13, dw2
+
+
+def _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str,
+                     is_gated: bool, tiles=(None, None)):
+    """The forward: (out (M, H), h (M, 2I) the w13 GEMM's output)."""
     hidden = w13.shape[2]
     n1, inter = w13.shape[1], w2.shape[2]
     m = dst_to_src.shape[0]
     t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tiles)
     if tuning.SM90_TILE in (t1, t2):
-        h = _group_gemm(x, w13, expert_sizes, dst_to_src, k, t1)
-        a = _activation(h, activation, is_gated)
-        return _group_gemm(a, w2, expert_sizes, None, 1, t2)
+        h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, t1)
+        a = _activation_call(h, activation, is_gated)
+        return _group_gemm_call(a, w2, expert_sizes, None, 1, t2), h
     call = jax.ffi.ffi_call(
         "jax_moe_expert_mlp",
         (sds((m, hidden), x.dtype), sds((m, n1), x.dtype), sds((m, inter), x.dtype)),
         vmap_method="sequential")
-    out, _, _ = call(x, w13, w2, expert_sizes.astype(jnp.int32), dst_to_src.astype(jnp.int32),
+    out, h, _ = call(x, w13, w2, expert_sizes.astype(jnp.int32), dst_to_src.astype(jnp.int32),
                      topk=np.int64(k), activation=np.int64(_checks.ACTIVATIONS[activation]),
                      gated=bool(is_gated), tile_m1=np.int64(t1), tile_m2=np.int64(t2))
-    return out
+    return out, h

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,8 @@ import numpy as np
 from jax_moe import _checks, tuning
 from jax_moe._ffi import _ext
 from jax_moe.ops._common import gemm_tile, sds
+from jax_moe.ops.expand import gather_transpose
+from jax_moe.ops.group_gemm_wgrad import _group_gemm_wgrad
 
 
 def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
@@ -35,9 +39,44 @@ def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int 
     return _group_gemm(x, w, expert_sizes, dst_to_src, k, tile)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _group_gemm(x, w, expert_sizes, rows, topk: int, tile):
     """group_gemm (rows None) or group_gemm_gather (rows = dst_to_src) on
-    checked arguments; tile: a checked tile_m, None for the tuned one."""
+    checked arguments; tile: a checked tile_m, None for the tuned one.
+    Differentiable in x and w (group_gemm_vjp)."""
+    return _group_gemm_call(x, w, expert_sizes, rows, topk, tile)
+
+
+def _group_gemm_fwd(x, w, expert_sizes, rows, topk, tile):
+    return _group_gemm_call(x, w, expert_sizes, rows, topk, tile), (x, w, expert_sizes, rows)
+
+
+def _group_gemm_bwd(topk, tile, res, g):
+    x, w, expert_sizes, rows = res
+    dx, dw = group_gemm_vjp(x, w, expert_sizes, rows, topk, g)
+    return dx, dw, None, None
+
+
+_group_gemm.defvjp(_group_gemm_fwd, _group_gemm_bwd)
+
+
+def group_gemm_vjp(x, w, expert_sizes, rows, topk: int, g, src_to_dst=None):
+    """The gradients (dx, dw) of group_gemm (rows None) or group_gemm_gather
+    for the output cotangent g (M, N), on the kernels: dx by the grouped GEMM
+    against w in the other orientation (then, with a gather, summed back into
+    the tokens by gather_transpose; src_to_dst: the inverse of rows when the
+    caller has it), dw by the k-grouped GEMM (group_gemm_wgrad)."""
+    g = g.astype(x.dtype)
+    dxs = _group_gemm_call(g, jnp.swapaxes(w, 1, 2), expert_sizes, None, 1, None)
+    if rows is None:
+        dx = dxs
+    else:
+        dx = gather_transpose(dxs, rows, topk, x.shape[0], src_to_dst)
+    return dx, _group_gemm_wgrad(g, x, expert_sizes, rows, topk)
+
+
+def _group_gemm_call(x, w, expert_sizes, rows, topk: int, tile):
+    """The jax_moe_group_gemm custom call."""
     experts, n, k = w.shape
     m = x.shape[0] if rows is None else rows.shape[0]
     tile = gemm_tile(m, w, x.dtype, tile)

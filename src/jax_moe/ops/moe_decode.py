@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks
 from jax_moe.ops._common import sds
+from jax_moe.ops.moe_layer import routed_layer
 
 
 def moe_decode_supported(hidden_states, router_logits, w13, w2, topk: int) -> bool:
@@ -43,8 +46,29 @@ if moe_decode.__doc__:  # None under python -OO
     moe_decode.__doc__ = moe_decode.__doc__.format(**_checks.DECODE_LIMITS)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _moe_decode(hidden_states, router_logits, w13, w2, r: _checks.Routing):
-    """moe_decode on checked arguments (softmax routing, within the limits)."""
+    """moe_decode on checked arguments (softmax routing, within the limits).
+    Differentiable: under jax.grad the forward runs as moe_layer's steps
+    (routed_layer), whose backward passes run on the kernels."""
+    return _moe_decode_call(hidden_states, router_logits, w13, w2, r)
+
+
+def _moe_decode_fwd(hidden_states, router_logits, w13, w2, r):
+    layer = functools.partial(routed_layer, e_score_correction_bias=None,
+                              spec=_checks.Layer(routing=r))
+    return jax.vjp(layer, hidden_states, router_logits, w13, w2)
+
+
+def _moe_decode_bwd(r, vjp, g):
+    return vjp(g)
+
+
+_moe_decode.defvjp(_moe_decode_fwd, _moe_decode_bwd)
+
+
+def _moe_decode_call(hidden_states, router_logits, w13, w2, r: _checks.Routing):
+    """The jax_moe_moe_decode custom call."""
     k = r.topk
     hidden, inter = hidden_states.shape[1], w2.shape[2]
     call = jax.ffi.ffi_call(

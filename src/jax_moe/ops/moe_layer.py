@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jax_moe import _checks, tuning
 from jax_moe._ffi import INDEX_CHUNK
 from jax_moe.ops._common import SCORING, bias_arg, sds
 from jax_moe.ops.combine import _combine
-from jax_moe.ops.expert_mlp import _expert_mlp, _mlp_tiles
+from jax_moe.ops.expert_mlp import _expert_mlp_call, _expert_mlp_diff, _mlp_tiles
 from jax_moe.ops.route import _route
 from jax_moe.ops.token_index import _token_index
 
@@ -40,9 +42,48 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
     return _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias, spec)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
                spec: _checks.Layer):
-    """moe_layer on checked arguments."""
+    """moe_layer on checked arguments. Differentiable on the kernels: under
+    jax.grad its forward runs the steps as separate calls (routed_layer),
+    keeping what their backward passes need."""
+    return _moe_layer_call(hidden_states, router_logits, w13, w2, e_score_correction_bias, spec)
+
+
+def _moe_layer_fwd(hidden_states, router_logits, w13, w2, e_score_correction_bias, spec):
+    return jax.vjp(functools.partial(routed_layer, spec=spec), hidden_states, router_logits,
+                   w13, w2, e_score_correction_bias)
+
+
+def _moe_layer_bwd(spec, vjp, g):
+    return vjp(g)
+
+
+_moe_layer.defvjp(_moe_layer_fwd, _moe_layer_bwd)
+
+
+def routed_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
+                 spec: _checks.Layer, start_expert: int = 0, num_local_experts: int | None = None):
+    """Steps 1-7 as differentiable calls (route, token index, expert_mlp,
+    combine; each with its backward on the kernels); with an expert range,
+    only the experts [start_expert, start_expert + num_local_experts) of w13
+    and w2 (which then hold only those) are computed and the other slots
+    count zero. What the backward keeps: the token index, the w13 GEMM's
+    output (unless spec.remat) and the expert outputs, T*k rows each."""
+    r = spec.routing
+    experts = router_logits.shape[-1]
+    local = experts if num_local_experts is None else num_local_experts
+    weights, ids = _route(router_logits, e_score_correction_bias, r)
+    src_to_dst, dst_to_src, sizes = _token_index(ids, experts, start_expert, local)
+    y = _expert_mlp_diff(hidden_states, w13, w2, sizes, dst_to_src, src_to_dst, r.topk,
+                         spec.activation, spec.is_gated, tuple(spec.tile_m), spec.remat)
+    return _combine(y, weights, src_to_dst, dst_to_src)
+
+
+def _moe_layer_call(hidden_states, router_logits, w13, w2, e_score_correction_bias,
+                    spec: _checks.Layer):
+    """The forward alone: one jax_moe_moe_layer call where the tiles allow."""
     r = spec.routing
     k = r.topk
     x = hidden_states
@@ -54,8 +95,8 @@ def _moe_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
     if tuning.SM90_TILE in (t1, t2):
         weights, ids = _route(router_logits, e_score_correction_bias, r)
         src_to_dst, dst_to_src, sizes = _token_index(ids, experts, 0, experts)
-        y = _expert_mlp(x, w13, w2, sizes, dst_to_src, k, spec.activation, spec.is_gated,
-                        (t1, t2))
+        y = _expert_mlp_call(x, w13, w2, sizes, dst_to_src, k, spec.activation, spec.is_gated,
+                             (t1, t2))[0]
         return _combine(y, weights, src_to_dst)
     has_bias, bias = bias_arg(e_score_correction_bias, experts)
     chunks = -(-m // INDEX_CHUNK)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import _checks
+from jax_moe import _checks, reference
 from jax_moe.ops._common import SCORING, bias_arg, sds
 
 
@@ -35,8 +37,34 @@ def topk_softmax(router_logits, topk: int, renormalize: bool = True):
     return _route(router_logits, None, routing)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _route(router_logits, e_score_correction_bias, r: _checks.Routing):
-    """route on checked arguments."""
+    """route on checked arguments; differentiable in router_logits (the
+    weights' gradient, for the experts the kernel chose)."""
+    return _route_call(router_logits, e_score_correction_bias, r)
+
+
+def _route_fwd(router_logits, e_score_correction_bias, r):
+    weights, ids = _route_call(router_logits, e_score_correction_bias, r)
+    return (weights, ids), (router_logits, e_score_correction_bias, ids)
+
+
+def _route_bwd(r, res, cotangents):
+    """The weights are the chosen experts' scores (renormalised, scaled): a
+    small elementwise function of the (T, E) logits, left to XLA. The choice
+    is piecewise constant, so the ids and the correction bias get none."""
+    logits, bias, ids = res
+    d_weights = cotangents[0]
+    _, vjp = jax.vjp(lambda lg: reference._route_weights(lg, ids, r), logits)
+    (d_logits,) = vjp(d_weights.astype(jnp.float32))
+    return d_logits.astype(logits.dtype), None if bias is None else jnp.zeros_like(bias)
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+def _route_call(router_logits, e_score_correction_bias, r: _checks.Routing):
+    """The jax_moe_route custom call."""
     tokens, experts = router_logits.shape
     has_bias, bias = bias_arg(e_score_correction_bias, experts)
     # broadcast_all hands the kernel logits (..., T, E) and bias (..., E) with

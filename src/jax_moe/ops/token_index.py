@@ -36,7 +36,9 @@ def _token_index(topk_ids, num_experts: int, start: int, local: int):
          sds((chunks * local + 1,), jnp.int32)),  # scratch for the CUDA kernels
         vmap_method="sequential",
     )
+    # Integer in, integer out: no gradient (stop_gradient keeps autodiff from
+    # asking the custom call for a JVP when ids come out of a differentiated op).
     src_to_dst, dst_to_src, sizes, _ = call(
-        topk_ids.astype(jnp.int32), num_experts=np.int64(num_experts),
+        jax.lax.stop_gradient(topk_ids).astype(jnp.int32), num_experts=np.int64(num_experts),
         start_expert=np.int64(start))
     return src_to_dst, dst_to_src, sizes
