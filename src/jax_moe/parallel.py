@@ -58,14 +58,19 @@ _DEFAULT_AXES = {"ep_axis": "ep", "tp_axis": "tp"}
 _PLAIN_ROUTING = dict(scoring_func="softmax", num_expert_group=None, topk_group=None,
                       e_score_correction_bias=None, routed_scaling_factor=1.0)
 
+# Without the varying-axes type check: the custom calls' results carry no
+# such type, so inside jax.grad their backward rules (whose cotangents do)
+# would be rejected. Autodiff stays exact without it (tests/layer/test_parallel.py).
 if hasattr(jax, "shard_map"):
     def _shard_map(f, mesh, in_specs, out_specs):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
 else:  # pragma: no cover - older jax
     from jax.experimental.shard_map import shard_map as _legacy_shard_map
 
     def _shard_map(f, mesh, in_specs, out_specs):
-        return _legacy_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        return _legacy_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_rep=False)
 
 
 # ----------------------------------------------------------------- the plan
@@ -339,7 +344,6 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bo
         # The partial sums (other ranks' experts, other I slices) meet here: one
         # reduce-scatter returns each device its own rows, fully summed.
         y = jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
-    y = y[:t_loc]  # drop the metadata rows appended by _gather_tokens
     if shared is not None:
         y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(y.dtype)
     return y.astype(x.dtype)
@@ -360,7 +364,7 @@ def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: 
     rows = x.shape[0] * min(k, e_loc)
     y = steps.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
                          plan.activation, True, (None, None))
-    return steps.combine(y, weights, src_to_dst)
+    return steps.combine(y, weights, src_to_dst, dst_to_src[:rows])
 
 
 def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, plan: _Plan,
@@ -388,33 +392,31 @@ def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, pl
     pos = jnp.minimum(first[:, None] + slot[None, :], n * n_ep - 1)
     send_pair = jnp.where(slot[None, :] < counts[:, None], pos_to_pair[pos], -1)  # (n_ep, C)
 
-    # Send buffer: per destination C token rows, then the rows holding their
-    # routing (weights, ids), so that one all_to_all carries both.
-    udt = _uint_like(x.dtype)
-    meta_words = _meta_words(weights, ids, udt)
-    extra = _meta_row_count(cap, meta_words.shape[-1], hidden)
-    send_tok = jnp.where(send_pair >= 0, send_pair // n_ep, 0)
-    empty = _meta_words(jnp.zeros((k,), jnp.float32), jnp.full((k,), plan.experts, jnp.int32), udt)
-    slot_meta = jnp.where((send_pair >= 0)[..., None], meta_words[send_tok], empty)
-    d2s = jnp.concatenate([send_pair, jnp.full((n_ep, extra), -1, jnp.int32)], axis=1)
-    send = steps.expand(x, d2s.reshape(-1), n_ep)  # row = x[pair // n_ep], or 0
-    send = _to_bits(send).reshape(n_ep, cap + extra, hidden)
-    send = send.at[:, cap:, :].set(_meta_rows(slot_meta, hidden))
-    recv = jax.lax.all_to_all(send, plan.ep, 0, 0, tiled=True)  # recv[s] = from rank s
+    # Per destination C token rows and their routing (weights, global ids),
+    # in one all_to_all (_exchange).
+    valid = send_pair >= 0
+    send_tok = jnp.where(valid, send_pair // n_ep, 0)
+    send_x = steps.expand(x, send_pair.reshape(-1), n_ep).reshape(n_ep, cap, hidden)
+    send_w = jnp.where(valid[..., None], weights[send_tok], 0.0)
+    send_ids = jnp.where(valid[..., None], ids[send_tok], jnp.int32(plan.experts))
 
-    recv_w, recv_ids = _meta_unpack(_rows_meta(recv[:, cap:, :], cap, slot_meta.shape[-1]), k)
-    recv_w = _pad_rows(recv_w, extra, 0.0).reshape(-1, k)
-    recv_ids = _pad_rows(recv_ids, extra, plan.experts).reshape(-1, k)
-    recv_x = _from_bits(recv.reshape(-1, hidden), x.dtype)
-    y = _local_experts(steps, recv_x, recv_w, recv_ids - rank * e_loc, w13, w2, plan)
-    back = jax.lax.all_to_all(y.reshape(n_ep, cap + extra, hidden), plan.ep, 0, 0, tiled=True)
+    def a2a(a):  # recv[s] = what rank s sent here; its own transpose
+        return jax.lax.all_to_all(a, plan.ep, 0, 0, tiled=True)
+
+    recv_x, recv_w, recv_ids = _exchange(send_x, send_w, send_ids, a2a, a2a)
+    y = _local_experts(steps, recv_x.reshape(-1, hidden), recv_w.reshape(-1, k),
+                       recv_ids.reshape(-1, k) - rank * e_loc, w13, w2, plan)
+    back = a2a(y.reshape(n_ep, cap, hidden))
 
     # Token t's result from rank r is in back[r, slot of pair (t, r)]: sum over r.
     pair_rank = jnp.tile(dest, n)
-    pair_slot = jnp.where(pair_to_pos >= 0,
-                          pair_rank * (cap + extra) + pair_to_pos - first[pair_rank], -1)
+    pair_slot = jnp.where(pair_to_pos >= 0, pair_rank * cap + pair_to_pos - first[pair_rank], -1)
     ones = jnp.ones((n, n_ep), jnp.float32)
-    return steps.combine(back.reshape(-1, hidden), ones, pair_slot)
+    # Each pair has its own slot: the inverse map (for the backward) is a plain scatter.
+    slot_pair = jnp.full((n_ep * cap,), -1, jnp.int32).at[
+        jnp.where(pair_slot >= 0, pair_slot, n_ep * cap)].set(
+        jnp.arange(n * n_ep, dtype=jnp.int32), mode="drop")
+    return steps.combine(back.reshape(-1, hidden), ones, pair_slot, slot_pair)
 
 
 # ------------------------------------------- tokens + routing in one collective
@@ -472,34 +474,52 @@ def _rows_meta(rows, n, m):
     return rows.reshape(b, -1)[:, : n * m].reshape(b, n, m)
 
 
-def _pad_rows(a, extra, value):
-    """(B, N, k) -> (B, N + extra, k), the new rows filled with value."""
-    fill = jnp.full((a.shape[0], extra, a.shape[2]), value, a.dtype)
-    return jnp.concatenate([a, fill], axis=1)
-
-
 def _gather_tokens(x, weights, ids, axes, plan: _Plan):
-    """All-gathers tokens and their routing over `axes` in ONE all-gather.
-
-    x (T_loc, H), weights/ids (T_loc, k) -> x_all (n * (T_loc + R), H),
-    weights/ids (n * (T_loc + R), k). Each shard's
-    block is its T_loc token rows followed by R rows holding the bits of its
-    weights and ids; those R rows get sentinel ids (never placed), so they pass
-    through the experts untouched and are dropped after the reduce-scatter
-    (which, over the same axes, hands each shard its own block back).
-    """
+    """All-gathers tokens and their routing over `axes` in ONE all-gather
+    (_exchange): x (T_loc, H), weights/ids (T_loc, k) -> (n * T_loc, H) and
+    (n * T_loc, k), shard s's rows at block s (the order psum_scatter over
+    the same axes hands back)."""
     t_loc, hidden = x.shape
     if not axes:
         return x, weights, ids
-    k = plan.topk
     n = math.prod(plan.mesh.shape[a] for a in axes)
-    meta = _meta_words(weights, ids, _uint_like(x.dtype))
-    m = meta.shape[-1]
-    extra = _meta_row_count(t_loc, m, hidden)
-    packed = jnp.concatenate([_to_bits(x), _meta_rows(meta[None], hidden)[0]], axis=0)
-    gathered = jax.lax.all_gather(packed, axes, axis=0, tiled=True)  # (n*(T_loc+R), H)
-    blocks = gathered.reshape(n, t_loc + extra, hidden)
-    w_all, ids_all = _meta_unpack(_rows_meta(blocks[:, t_loc:, :], t_loc, m), k)
-    w_all = _pad_rows(w_all, extra, 0.0).reshape(-1, k)
-    ids_all = _pad_rows(ids_all, extra, plan.experts).reshape(-1, k)
-    return _from_bits(gathered, x.dtype), w_all, ids_all
+
+    def gather(a):  # (1, R, ...) -> (n, R, ...), block s from shard s
+        return jax.lax.all_gather(a[0], axes, axis=0, tiled=True).reshape(n, *a.shape[1:])
+
+    def scatter(a):  # its transpose: each shard's block, summed over the shards
+        flat = a.reshape(-1, *a.shape[2:])
+        return jax.lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True)[None]
+
+    xg, wg, idg = _exchange(x[None], weights[None], ids[None], gather, scatter)
+    return xg.reshape(-1, hidden), wg.reshape(-1, plan.topk), idg.reshape(-1, plan.topk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _exchange(x, weights, ids, collective, transpose):
+    """One collective for token rows and their routing: x (B, N, H) float,
+    weights (B, N, k) f32 and ids (B, N, k) int32 are packed as the bits of
+    x's dtype, each block's routing appended as a few rows, `collective`
+    maps the packed (B, N + R, H) to (B', N + R, H), and the result is
+    unpacked into (B', N, ...) arrays. Differentiable in x and weights: their
+    cotangents go back through `transpose` (the collective's transpose, one
+    call each; ids get none)."""
+    n, hidden = x.shape[1], x.shape[2]
+    k = weights.shape[-1]
+    meta = _meta_words(weights, ids, _uint_like(x.dtype))  # (B, N, m)
+    packed = jnp.concatenate([_to_bits(x), _meta_rows(meta, hidden)], axis=1)
+    out = collective(packed)
+    w, i = _meta_unpack(_rows_meta(out[:, n:], n, meta.shape[-1]), k)
+    return _from_bits(out[:, :n], x.dtype), w, i
+
+
+def _exchange_fwd(x, weights, ids, collective, transpose):
+    return _exchange(x, weights, ids, collective, transpose), None
+
+
+def _exchange_bwd(collective, transpose, _, cotangents):
+    dx, dw, _ = cotangents
+    return transpose(dx), transpose(dw), None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
