@@ -2,8 +2,10 @@
 
 A student MoE learns to imitate a random teacher MoE of the same shape (a
 DeepSeek-V3-style block: sigmoid routing with a correction bias, group-limited
-top-k, a shared expert) converted from a Hugging Face-style state dict. Needs
-flax (``pip install flax``); runs in seconds on a CPU.
+top-k, a shared expert) converted from a Hugging Face-style state dict. The
+loss adds the router's load-balancing and z-losses (``MoE(...,
+return_aux=True)``); on the "ffi" backend the backward pass runs on jax_moe's
+kernels. Needs flax (``pip install flax``); runs in seconds on a CPU.
 
     python examples/train_toy.py [--steps 100] [--backend ffi|reference]
 """
@@ -56,7 +58,8 @@ def main() -> None:
 
     teacher = MoE.from_state_dict(cfg, teacher_state_dict(cfg, np.random.default_rng(0)),
                                   backend=args.backend)
-    model = MoE(cfg, rngs=nnx.Rngs(1), backend=args.backend)
+    model = MoE(cfg, rngs=nnx.Rngs(1), backend=args.backend, router_aux_loss_coef=1e-3,
+                router_z_loss_coef=1e-4)
     # The correction bias is a Buffer (not trained): copy the teacher's.
     model.e_score_correction_bias.set_value(teacher.e_score_correction_bias[...])
 
@@ -64,16 +67,25 @@ def main() -> None:
     y = nnx.jit(lambda m, v: m(v))(teacher, x)
     optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
 
+    def loss_fn(m):
+        out, aux = m(x, return_aux=True)
+        mse = jnp.mean((out - y) ** 2)
+        return mse + aux["aux_loss"], (mse, aux["load_balancing_loss"])
+
     @nnx.jit
     def train_step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        (_, (mse, balance)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         optimizer.update(model, grads)
-        return loss
+        return mse, balance
 
+    first = None
     for step in range(args.steps):
-        loss = float(train_step(model, optimizer, x, y))
+        mse, balance = (float(v) for v in train_step(model, optimizer, x, y))
+        first = mse if first is None else first
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss:.5f}")
+            print(f"step {step:4d}  mse {mse:.5f}  load balance {balance:.3f}")
+    if not mse < first:
+        raise SystemExit(f"training did not lower the loss ({first:.5f} -> {mse:.5f})")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moe import backends, convert
+from jax_moe import backends, convert, losses
 from jax_moe.layer import MoEConfig, moe_forward
 
 __all__ = ["MoE", "Buffer"]
@@ -69,19 +69,30 @@ class MoE(nnx.Module):
     ``dtype`` (the computation dtype) for the call, as in ``nnx.Linear``.
 
     Gradients: both backends are differentiable (``jax.grad``, ``nnx.grad``,
-    training with optax). The "ffi" backend runs the forward on the FFI
-    kernels and, having no backward kernels, takes the VJP of the
-    reference layer (``reference``'s jax.numpy implementation, recomputed in
-    the backward pass; see ``jax_moe.moe_forward``), so its gradients are
-    those of the reference layer exactly. Routing is a discrete choice:
-    gradients reach the router through the chosen experts' weights only.
+    training with optax); on "ffi" the backward runs on the kernels too (see
+    ``jax_moe.moe_forward``). Routing is a discrete choice: gradients reach
+    the router through the chosen experts' weights, and through the
+    auxiliary losses below.
+
+    ``__call__(x, return_aux=True)`` returns ``(out, aux)``: aux holds the
+    float32 ``router_logits`` (T, E), ``load_balancing_loss`` and
+    ``router_z_loss`` (``jax_moe.losses``) and ``aux_loss`` =
+    router_aux_loss_coef * load_balancing_loss + router_z_loss_coef *
+    router_z_loss, the term to add to the model's loss.
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, backend: str = "ffi", kernel_init=None):
+                 param_dtype=jnp.float32, backend: str = "ffi", kernel_init=None,
+                 router_aux_loss_coef: float = 0.001, router_z_loss_coef: float = 0.0):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a jax_moe.MoEConfig, got {type(config).__name__}")
         backends.get(backend)  # raises ValueError for an unknown backend
+        for name, v in (("router_aux_loss_coef", router_aux_loss_coef),
+                        ("router_z_loss_coef", router_z_loss_coef)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TypeError(f"{name} must be a finite float, got {v!r}")
+        self.router_aux_loss_coef = float(router_aux_loss_coef)
+        self.router_z_loss_coef = float(router_z_loss_coef)
         self.config = config
         self.backend = backend
         self.dtype = jnp.dtype(dtype)
@@ -110,7 +121,7 @@ class MoE(nnx.Module):
         self.shared_gate = (nnx.Param(values["shared_gate"].reshape(h))
                             if c.shared_expert_gate else None)
 
-    def __call__(self, x):
+    def __call__(self, x, *, return_aux: bool = False):
         c = self.config
         if x.ndim < 1 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (..., H={c.hidden_size}), got shape {x.shape}")
@@ -128,7 +139,15 @@ class MoE(nnx.Module):
             e_score_correction_bias=None if bias is None else bias[...],
             shared_w13=cast(self.shared_w13), shared_w2=cast(self.shared_w2),
             shared_gate=cast(self.shared_gate), backend=self.backend, **c.forward_kwargs())
-        return out.reshape(*lead, c.hidden_size)
+        out = out.reshape(*lead, c.hidden_size)
+        if not return_aux:
+            return out
+        balance = losses.load_balancing_loss(logits, c.topk)
+        z = losses.router_z_loss(logits)
+        return out, {"router_logits": logits, "load_balancing_loss": balance,
+                     "router_z_loss": z,
+                     "aux_loss": self.router_aux_loss_coef * balance
+                     + self.router_z_loss_coef * z}
 
     @classmethod
     def from_state_dict(cls, config: MoEConfig, state_dict, *, prefix: str = "",
