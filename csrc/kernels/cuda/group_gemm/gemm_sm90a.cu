@@ -43,7 +43,6 @@
 //    this file's compile time.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -62,6 +61,7 @@
 
 #include "kernels/common/numeric.h"
 #include "kernels/cuda/group_gemm/gemm_sm90a.h"
+#include "kernels/cuda/group_gemm/sm90_common.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
@@ -72,10 +72,6 @@ namespace {
 
 using namespace cute;
 
-// The largest SM count the scratch is sized for (a full GH100 die). A device
-// with more SMs runs a persistent grid of this many CTAs.
-constexpr int kMaxSms = 144;
-constexpr size_t kScratchAlign = 256;  // every scratch section, and the base
 constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 256;
 // Rows per expert (average) below which the 64-row tiles run.
@@ -148,19 +144,6 @@ static_assert(std::is_same_v<StrideA, WideGemm<cutlass::half_t>::StrideA> &&
               std::is_same_v<StrideA, SkinnyGemm<cutlass::half_t>::StrideA> &&
               std::is_same_v<StrideB, SkinnyGemm<cutlass::half_t>::StrideB> &&
               std::is_same_v<StrideD, SkinnyGemm<cutlass::half_t>::StrideD>);
-
-constexpr size_t RoundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-// Host: the CUTLASS workspace of a kernel for kMaxSms SMs. Reads no device
-// data (host problem shapes absent) and makes no CUDA call.
-template <typename G>
-size_t WorkspaceBytes(int64_t groups) {
-  typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(groups), nullptr, nullptr};
-  args.hw_info.sm_count = kMaxSms;
-  return G::Gemm::get_workspace_size(args);
-}
 
 // Where each part of the call's scratch lives (byte offsets from the
 // 256-byte aligned base); `bytes` includes the slack for aligning the base.
@@ -274,36 +257,6 @@ __global__ void __launch_bounds__(kPrepThreads)
 // Host
 // ---------------------------------------------------------------------------
 
-// The current device and its SM count (capped at kMaxSms) when the sm90 path
-// can run there: compute capability 9.0 (sm_90a code runs on no other) and
-// our kernels load. Queried once per device.
-bool UsableDevice(int* dev, int* sms) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet, -1: unusable, else SMs
-  if (cudaGetDevice(dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  int v = *dev >= 0 && *dev < kMaxDevices ? cache[*dev].load(std::memory_order_acquire) : 0;
-  if (v == 0) {
-    int major = 0, minor = 0, count = 0;
-    cudaFuncAttributes attr;
-    const bool ok =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, *dev) == cudaSuccess &&
-        major == 9 && minor == 0 && count > 0 &&
-        cudaFuncGetAttributes(&attr, Sm90PrepKernel) == cudaSuccess;
-    cudaGetLastError();  // a failed query leaves nothing behind for the next launch check
-    v = ok ? (count < kMaxSms ? count : kMaxSms) : -1;
-    if (*dev >= 0 && *dev < kMaxDevices) cache[*dev].store(v, std::memory_order_release);
-  }
-  *sms = v;
-  return v > 0;
-}
-
-inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 template <typename G>
 cudaError_t RunSm90(const Sm90GemmCall& c, int dev, int sms, bool* ran) {
   using Element = typename G::Gemm::ElementA;
@@ -388,7 +341,8 @@ cudaError_t GroupGemmSm90(const Sm90GemmCall& c, bool* ran) {
       !Aligned16(c.x) || !Aligned16(c.w) || !Aligned16(c.out))
     return cudaSuccess;
   int dev = 0, sms = 0;
-  if (!UsableDevice(&dev, &sms)) return cudaSuccess;
+  if (!UsableDevice(reinterpret_cast<const void*>(Sm90PrepKernel), &dev, &sms))
+    return cudaSuccess;
   const bool skinny = c.m < kSkinnyRows * c.groups;
   const bool wide = !skinny && c.n >= 256;
   if (c.bf16) {

@@ -1,0 +1,67 @@
+// Host helpers shared by the CUTLASS sm90 grouped GEMMs (gemm_sm90a.cu,
+// wgrad_sm90a.cu): the device check, the scratch alignment and the CUTLASS
+// workspace size. Host code only; each including translation unit gets its
+// own copy (anonymous namespace), so each probes its own kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "cutlass/gemm/gemm.h"
+
+namespace jax_moe {
+namespace {
+
+// The largest SM count the scratch is sized for (a full GH100 die). A device
+// with more SMs runs a persistent grid of this many CTAs.
+constexpr int kMaxSms = 144;
+constexpr size_t kScratchAlign = 256;  // every scratch section, and the base
+
+constexpr size_t RoundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Host: the CUTLASS workspace of a ptr-array grouped kernel for kMaxSms SMs.
+// Reads no device data (host problem shapes absent) and makes no CUDA call.
+template <typename G>
+size_t WorkspaceBytes(int64_t groups) {
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(groups), nullptr, nullptr};
+  args.hw_info.sm_count = kMaxSms;
+  return G::Gemm::get_workspace_size(args);
+}
+
+// The current device and its SM count (capped at kMaxSms) when an sm90 path
+// can run there: compute capability 9.0 (sm_90a code runs on no other) and
+// `probe`, one of the caller's kernels, loads. Queried once per device.
+inline bool UsableDevice(const void* probe, int* dev, int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not asked yet, -1: unusable, else SMs
+  if (cudaGetDevice(dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int v = *dev >= 0 && *dev < kMaxDevices ? cache[*dev].load(std::memory_order_acquire) : 0;
+  if (v == 0) {
+    int major = 0, minor = 0, count = 0;
+    cudaFuncAttributes attr;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, *dev) == cudaSuccess &&
+        major == 9 && minor == 0 && count > 0 &&
+        cudaFuncGetAttributes(&attr, probe) == cudaSuccess;
+    cudaGetLastError();  // a failed query leaves nothing behind for the next launch check
+    v = ok ? (count < kMaxSms ? count : kMaxSms) : -1;
+    if (*dev >= 0 && *dev < kMaxDevices) cache[*dev].store(v, std::memory_order_release);
+  }
+  *sms = v;
+  return v > 0;
+}
+
+}  // namespace
+}  // namespace jax_moe
