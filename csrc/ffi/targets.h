@@ -12,20 +12,20 @@ namespace jax_moe {
 // Every FFI target once: X(python target name, handler stem). Each op family
 // defines k<stem>Cpu and (CUDA builds) k<stem>Cuda in csrc/ffi/<step>.cc;
 // module.cc registers both from this list.
-#define JAX_MOE_TARGETS(X)                 \
-  X("jax_moe_route", Route)                \
-  X("jax_moe_token_index", TokenIndex)     \
-  X("jax_moe_expand", Expand)              \
-  X("jax_moe_group_gemm", GroupGemm)       \
-  X("jax_moe_expert_mlp", ExpertMlp)       \
-  X("jax_moe_moe_layer", MoeLayer)         \
-  X("jax_moe_moe_decode", MoeDecode)       \
-  X("jax_moe_activation", Activation)      \
-  X("jax_moe_combine", Combine)            \
-  X("jax_moe_write_kv", WriteKv)           \
-  X("jax_moe_paged_decode", PagedDecode)   \
-  X("jax_moe_fill_rows", FillRows)         \
-  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad) \
+#define JAX_MOE_TARGETS(X)                       \
+  X("jax_moe_route", Route)                      \
+  X("jax_moe_token_index", TokenIndex)           \
+  X("jax_moe_expand", Expand)                    \
+  X("jax_moe_group_gemm", GroupGemm)             \
+  X("jax_moe_expert_mlp", ExpertMlp)             \
+  X("jax_moe_moe_layer", MoeLayer)               \
+  X("jax_moe_moe_decode", MoeDecode)             \
+  X("jax_moe_activation", Activation)            \
+  X("jax_moe_combine", Combine)                  \
+  X("jax_moe_write_kv", WriteKv)                 \
+  X("jax_moe_paged_decode", PagedDecode)         \
+  X("jax_moe_fill_rows", FillRows)               \
+  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad)  \
   X("jax_moe_combine_bwd", CombineBwd)
 
 #define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
