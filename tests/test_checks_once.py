@@ -122,7 +122,7 @@ def test_moe_forward_one_token_checks_once(record):
 
 
 def test_moe_forward_gradient_checks_once(record):
-    # The backward is the reference layer's VJP: unchecked twins, no more checks.
+    # The backward runs unchecked steps: no more checks.
     def loss(x, logits, w13, w2):
         return jnp.sum(jax_moe.moe_forward(x, logits, w13, w2, K))
 

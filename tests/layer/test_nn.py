@@ -194,8 +194,8 @@ def _train(cfg, backend, steps=12, lr=3e-2):
 def test_training_reduces_loss():
     """A few optax steps on a toy regression (fit a random teacher MoE) on
     both backends, gradients by jax.grad: the loss goes down; the ffi
-    backend's gradients and trajectory are the reference's (its backward is
-    the reference layer's VJP); the Buffer (correction bias) is not trained."""
+    backend's gradients (from its backward kernels) and trajectory are the
+    reference's to f32 rounding; the Buffer (correction bias) is not trained."""
     cfg = CONFIGS["all"]
     runs, grads = {}, {}
     for backend in BACKENDS:
