@@ -1,6 +1,6 @@
 // Host helpers shared by the CUTLASS sm90 grouped GEMMs (gemm_sm90a.cu,
-// wgrad_sm90a.cu): the device check, the scratch alignment and the CUTLASS
-// workspace size. Host code only; each including translation unit gets its
+// wgrad_sm90a.cu): the device check, the scratch alignment, the CUTLASS
+// workspace size and the grouped GEMM's set-up. Host code only; each including translation unit gets its
 // own copy (anonymous namespace), so each probes its own kernels.
 #pragma once
 
@@ -33,6 +33,41 @@ size_t WorkspaceBytes(int64_t groups) {
   args.problem_shape = {static_cast<int>(groups), nullptr, nullptr};
   args.hw_info.sm_count = kMaxSms;
   return G::Gemm::get_workspace_size(args);
+}
+
+// Host: sets `gemm` up for `groups` problems D = A * B (no C) whose shapes,
+// pointers and strides are device arrays that the caller's setup kernel
+// writes (CUTLASS reads them on the device: host_problem_shapes absent).
+// Host-only (initialize sets the kernel's shared memory attribute): false,
+// with nothing launched, when CUTLASS declines the problems or needs more
+// than `workspace_bytes` of workspace, and the caller falls back.
+template <typename Gemm, typename Shape, typename PtrA, typename StrideA, typename PtrB,
+          typename StrideB, typename PtrD, typename StrideD>
+bool InitGrouped(Gemm& gemm, int64_t groups, Shape* shapes, PtrA ptr_a, StrideA* stride_a,
+                 PtrB ptr_b, StrideB* stride_b, PtrD ptr_d, StrideD* stride_d, int dev, int sms,
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(groups), shapes, nullptr};
+  args.mainloop.ptr_A = ptr_a;
+  args.mainloop.dA = stride_a;
+  args.mainloop.ptr_B = ptr_b;
+  args.mainloop.dB = stride_b;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = ptr_d;
+  args.epilogue.dD = stride_d;
+  args.hw_info.device_id = dev;
+  args.hw_info.sm_count = sms;
+  if (Gemm::get_workspace_size(args) > workspace_bytes ||
+      gemm.can_implement(args) != cutlass::Status::kSuccess ||
+      gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
 }
 
 // The current device and its SM count (capped at kMaxSms) when an sm90 path

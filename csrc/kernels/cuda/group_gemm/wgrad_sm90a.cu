@@ -253,30 +253,10 @@ cudaError_t RunWgrad(const Sm90WgradCall& c, int dev, int sms, bool* ran) {
   const auto* b = static_cast<const Element*>(
       gather ? static_cast<const void*>(base + l.expand) : c.x);
 
-  typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(c.groups), shapes, nullptr};  // shapes on the device only
-  args.mainloop.ptr_A = ptr_a;
-  args.mainloop.dA = stride_a;
-  args.mainloop.ptr_B = ptr_b;
-  args.mainloop.dB = stride_b;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = ptr_d;
-  args.epilogue.dD = stride_d;
-  args.hw_info.device_id = dev;
-  args.hw_info.sm_count = sms;
   typename G::Gemm gemm;
-  // Both are host-only (initialize sets the kernel's shared memory
-  // attribute): a failure launches nothing, and the caller falls back.
-  if (G::Gemm::get_workspace_size(args) > l.expand - l.workspace ||
-      gemm.can_implement(args) != cutlass::Status::kSuccess ||
-      gemm.initialize(args, base + l.workspace, c.stream) != cutlass::Status::kSuccess) {
-    cudaGetLastError();
+  if (!InitGrouped(gemm, c.groups, shapes, ptr_a, stride_a, ptr_b, stride_b, ptr_d, stride_d, dev,
+                   sms, base + l.workspace, l.expand - l.workspace, c.stream))
     return cudaSuccess;
-  }
 
   const int n = static_cast<int>(c.n), k = static_cast<int>(c.k);
   // Leading dimensions n (A), k (B and D); one group per problem (L = 1).
