@@ -133,8 +133,9 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, ref_max_tokens, rep
     return row
 
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+def _fmt(v, spec, width, suffix=""):
+    """v formatted by spec (+ suffix), or "-" for None, right-aligned in width."""
+    return ("-" if v is None else format(v, spec) + suffix).rjust(width)
 
 
 def main() -> None:
@@ -187,9 +188,9 @@ def main() -> None:
             write_json(args.json, meta, rows)
             print(f"{name:<15}{t:>6}{r['ffi_step_ms']:>9.2f}{r['ffi_fwd_ms']:>8.2f}"
                   f"{r['ffi_bwd_ms']:>8.2f}{r['bwd_over_fwd']:>8.2f}{r['ffi_tflops']:>8.1f}"
-                  f"{_fmt(r['ffi_step_gb'], '7.1f')}{_fmt(r['reference_step_ms'], '9.1f')}"
-                  f"{_fmt(r['reference_step_gb'], '7.1f')}"
-                  f"{_fmt(r['speedup_vs_jax'], '8.1f')}x", flush=True)
+                  f"{_fmt(r['ffi_step_gb'], '.1f', 7)}{_fmt(r['reference_step_ms'], '.1f', 9)}"
+                  f"{_fmt(r['reference_step_gb'], '.1f', 7)}"
+                  f"{_fmt(r['speedup_vs_jax'], '.1f', 9, 'x')}", flush=True)
     print(f"json: {args.json}")
 
 
