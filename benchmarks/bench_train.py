@@ -26,7 +26,6 @@ from datetime import date
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _bench_common import after, chain, check_least, per_call_seconds, write_json
 
 import jax_moe

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_moe import _checks, backends
+from jax_moe._exchange import exchange
 
 __all__ = ["moe_forward_sharded", "moe_shardings", "STRATEGIES", "AUTO_ALLGATHER_MAX_EP"]
 
@@ -303,7 +304,6 @@ def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bo
     """One device: x (T_loc, H), logits (T_loc, E), w13 (E_loc, 2, I_loc, H),
     w2 (E_loc, H, I_loc) -> (T_loc, H)."""
     steps = backends.steps(plan.backend)
-    k = plan.topk
     t_loc, hidden = x.shape
     e_loc = plan.local_experts
     w13 = w13.reshape(e_loc, -1, hidden)  # (E_loc, 2*I_loc, H) = [gate_s; up_s]: a bitcast
@@ -393,7 +393,7 @@ def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, pl
     send_pair = jnp.where(slot[None, :] < counts[:, None], pos_to_pair[pos], -1)  # (n_ep, C)
 
     # Per destination C token rows and their routing (weights, global ids),
-    # in one all_to_all (_exchange).
+    # in one all_to_all (jax_moe._exchange).
     valid = send_pair >= 0
     send_tok = jnp.where(valid, send_pair // n_ep, 0)
     send_x = steps.expand(x, send_pair.reshape(-1), n_ep).reshape(n_ep, cap, hidden)
@@ -403,7 +403,7 @@ def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, pl
     def a2a(a):  # recv[s] = what rank s sent here; its own transpose
         return jax.lax.all_to_all(a, plan.ep, 0, 0, tiled=True)
 
-    recv_x, recv_w, recv_ids = _exchange(send_x, send_w, send_ids, a2a, a2a)
+    recv_x, recv_w, recv_ids = exchange(send_x, send_w, send_ids, a2a, a2a)
     y = _local_experts(steps, recv_x.reshape(-1, hidden), recv_w.reshape(-1, k),
                        recv_ids.reshape(-1, k) - rank * e_loc, w13, w2, plan)
     back = a2a(y.reshape(n_ep, cap, hidden))
@@ -421,62 +421,9 @@ def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, pl
 
 # ------------------------------------------- tokens + routing in one collective
 
-def _uint_like(dtype):
-    size = jnp.dtype(dtype).itemsize
-    return {2: jnp.uint16, 4: jnp.uint32}[size]
-
-
-def _to_bits(x):
-    return jax.lax.bitcast_convert_type(x, _uint_like(x.dtype))
-
-
-def _from_bits(bits, dtype):
-    return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-def _meta_words(weights, ids, udt):
-    """(..., k) f32 weights and (..., k) i32 ids -> their bits as (..., m) words
-    of the unsigned type udt (m = 2k for uint32, 4k for uint16)."""
-    words = jnp.concatenate(
-        [jax.lax.bitcast_convert_type(weights.astype(jnp.float32), jnp.uint32),
-         jax.lax.bitcast_convert_type(ids.astype(jnp.int32), jnp.uint32)], axis=-1)
-    if udt == jnp.uint16:
-        words = jax.lax.bitcast_convert_type(words, jnp.uint16)  # (..., 2k, 2)
-        words = words.reshape(*words.shape[:-2], -1)
-    return words
-
-
-def _meta_unpack(words, k):
-    """Inverse of _meta_words, from uint32 or uint16 words."""
-    if words.dtype == jnp.uint16:
-        words = jax.lax.bitcast_convert_type(words.reshape(*words.shape[:-1], 2 * k, 2),
-                                             jnp.uint32)
-    return (jax.lax.bitcast_convert_type(words[..., :k], jnp.float32),
-            jax.lax.bitcast_convert_type(words[..., k:], jnp.int32))
-
-
-def _meta_row_count(n, words, hidden):
-    return max(1, math.ceil(n * words / hidden))
-
-
-def _meta_rows(meta, hidden):
-    """(B, N, m) -> (B, R, hidden): the words laid out row after row, 0-padded."""
-    b, n, m = meta.shape
-    r = _meta_row_count(n, m, hidden)
-    flat = meta.reshape(b, n * m)
-    flat = jnp.pad(flat, ((0, 0), (0, r * hidden - n * m)))
-    return flat.reshape(b, r, hidden)
-
-
-def _rows_meta(rows, n, m):
-    """Inverse of _meta_rows: (B, R, hidden) -> (B, N, m)."""
-    b = rows.shape[0]
-    return rows.reshape(b, -1)[:, : n * m].reshape(b, n, m)
-
-
 def _gather_tokens(x, weights, ids, axes, plan: _Plan):
     """All-gathers tokens and their routing over `axes` in ONE all-gather
-    (_exchange): x (T_loc, H), weights/ids (T_loc, k) -> (n * T_loc, H) and
+    (jax_moe._exchange): x (T_loc, H), weights/ids (T_loc, k) -> (n * T_loc, H) and
     (n * T_loc, k), shard s's rows at block s (the order psum_scatter over
     the same axes hands back)."""
     t_loc, hidden = x.shape
@@ -491,35 +438,5 @@ def _gather_tokens(x, weights, ids, axes, plan: _Plan):
         flat = a.reshape(-1, *a.shape[2:])
         return jax.lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True)[None]
 
-    xg, wg, idg = _exchange(x[None], weights[None], ids[None], gather, scatter)
+    xg, wg, idg = exchange(x[None], weights[None], ids[None], gather, scatter)
     return xg.reshape(-1, hidden), wg.reshape(-1, plan.topk), idg.reshape(-1, plan.topk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _exchange(x, weights, ids, collective, transpose):
-    """One collective for token rows and their routing: x (B, N, H) float,
-    weights (B, N, k) f32 and ids (B, N, k) int32 are packed as the bits of
-    x's dtype, each block's routing appended as a few rows, `collective`
-    maps the packed (B, N + R, H) to (B', N + R, H), and the result is
-    unpacked into (B', N, ...) arrays. Differentiable in x and weights: their
-    cotangents go back through `transpose` (the collective's transpose, one
-    call each; ids get none)."""
-    n, hidden = x.shape[1], x.shape[2]
-    k = weights.shape[-1]
-    meta = _meta_words(weights, ids, _uint_like(x.dtype))  # (B, N, m)
-    packed = jnp.concatenate([_to_bits(x), _meta_rows(meta, hidden)], axis=1)
-    out = collective(packed)
-    w, i = _meta_unpack(_rows_meta(out[:, n:], n, meta.shape[-1]), k)
-    return _from_bits(out[:, :n], x.dtype), w, i
-
-
-def _exchange_fwd(x, weights, ids, collective, transpose):
-    return _exchange(x, weights, ids, collective, transpose), None
-
-
-def _exchange_bwd(collective, transpose, _, cotangents):
-    dx, dw, _ = cotangents
-    return transpose(dx), transpose(dw), None
-
-
-_exchange.defvjp(_exchange_fwd, _exchange_bwd)

@@ -4,8 +4,6 @@ and backward on jax_moe's grouped GEMM kernels, and a local group range
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
