@@ -1,8 +1,8 @@
 """A Flax NNX module around ``moe_forward``: ``jax_moe.nn.MoE``.
 
-Flax is an optional dependency (``pip install 'jax_moe[flax]'`` or ``pip
-install flax``); ``import jax_moe`` never imports it, only ``import
-jax_moe.nn`` does.
+Flax is an optional dependency (``pip install flax``, or this package's
+``[flax]`` extra when installing from the source tree); ``import jax_moe``
+never imports it, only ``import jax_moe.nn`` does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "jax_moe.nn needs Flax (the NNX API, flax >= 0.11): install it with "
-        "`pip install 'jax_moe[flax]'` or `pip install flax`") from e
+        "`pip install flax`") from e
 
 import functools
 import math
