@@ -25,6 +25,17 @@ def check_least(parser, args, **least) -> None:
                 parser.error(f"--{dest.replace('_', '-')} must be at least {lo}, got {v}")
 
 
+def pick_shapes(parser, names, shapes: dict) -> dict:
+    """The --shapes subset of `shapes` (all of them when none are named);
+    parser.error (exit 2) for an unknown name."""
+    if not names:
+        return shapes
+    unknown = sorted(set(names) - set(shapes))
+    if unknown:
+        parser.error(f"unknown --shapes {unknown}; known: {sorted(shapes)}")
+    return {n: shapes[n] for n in names}
+
+
 def per_call_seconds(program, calls: int, repeats: int) -> float:
     """Device seconds per call of a chained loop: program(n) compiles and warms
     up a jitted program of n chained calls and returns a callable that runs

@@ -24,7 +24,8 @@ from datetime import date
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _bench_common import after, chain, check_least, per_call_seconds, pyplot, wall_time, write_json
+from _bench_common import (after, chain, check_least, per_call_seconds, pick_shapes, pyplot,
+                           wall_time, write_json)
 
 import jax_moe
 
@@ -202,12 +203,7 @@ def main() -> None:
     args = p.parse_args()
     check_least(p, args, calls=1, ref_calls=0, ref_chunks=1, repeats=1, tokens=1)
 
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    if args.shapes:
-        unknown = sorted(set(args.shapes) - set(shapes))
-        if unknown:
-            p.error(f"unknown --shapes {unknown}; known: {sorted(shapes)}")
-        shapes = {n: shapes[n] for n in args.shapes}
+    shapes = pick_shapes(p, args.shapes, QUICK_SHAPES if args.quick else SHAPES)
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     def calls_for(t):  # see --calls
         return args.calls or (2 if args.quick else (100 if t <= 16 else 20))

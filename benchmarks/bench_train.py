@@ -26,7 +26,7 @@ from datetime import date
 
 import jax
 import jax.numpy as jnp
-from _bench_common import after, chain, check_least, per_call_seconds, write_json
+from _bench_common import after, chain, check_least, per_call_seconds, pick_shapes, write_json
 
 import jax_moe
 
@@ -154,12 +154,7 @@ def main() -> None:
     args = p.parse_args()
     check_least(p, args, calls=1, ref_calls=0, repeats=1, tokens=1, ref_max_tokens=0)
 
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    if args.shapes:
-        unknown = sorted(set(args.shapes) - set(shapes))
-        if unknown:
-            p.error(f"unknown --shapes {unknown}; known: {sorted(shapes)}")
-        shapes = {n: shapes[n] for n in args.shapes}
+    shapes = pick_shapes(p, args.shapes, QUICK_SHAPES if args.quick else SHAPES)
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     calls = args.calls or (2 if args.quick else 10)
     ref_calls = args.ref_calls if args.ref_calls is not None else (2 if args.quick else 5)
