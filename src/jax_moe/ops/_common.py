@@ -31,3 +31,18 @@ def gemm_tile(m: int, w, dtype, tile) -> int:
         return tile
     experts, n, k = w.shape
     return tuning.group_gemm_tile_m(m, experts, n, k, dtype)
+
+
+def inverse_map(index, size: int):
+    """(inverse (size,), repeated (len(index),)) of an int map `index` into
+    [0, size) (entries outside it name nothing): inverse[j] is the last i
+    with index[i] == j, -1 where none (a scatter-max: the same result in any
+    order); repeated[i] says that index[i] names a j whose inverse is
+    another i. Both on the device, for backward passes that must stay exact
+    when a map (unlike step 2's) names one place twice."""
+    index = index.astype(jnp.int32)
+    pos = jnp.arange(index.shape[0], dtype=jnp.int32)
+    at = jnp.where((index >= 0) & (index < size), index, size)  # `size`: dropped
+    inverse = jnp.full((size,), -1, jnp.int32).at[at].max(pos, mode="drop")
+    repeated = (at < size) & (inverse[jnp.minimum(at, size - 1)] != pos)
+    return inverse, repeated

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
-from jax_moe.ops._common import sds
+from jax_moe.ops._common import inverse_map, sds
 
 
 def moe_combine(y, topk_weights, src_to_dst):
@@ -58,12 +58,8 @@ def _combine_vjp_bwd(res, g):
     # (which step 2 never makes) is added after with an XLA scatter-add.
     # No jax.lax.cond: on the GPU its predicate would be copied to the host.
     s2d = s2d.astype(jnp.int32)
-    slots = jnp.arange(s2d.shape[0], dtype=jnp.int32)
-    valid = (s2d >= 0) & (s2d < rows)
-    at = jnp.where(valid, s2d, rows)  # `rows`: dropped
-    inverse = jnp.full((rows,), -1, jnp.int32).at[at].max(slots, mode="drop")
+    inverse, shared = inverse_map(s2d, rows)
     dy, dw = _combine_bwd(g, y, w, s2d, inverse)
-    shared = valid & (inverse[jnp.minimum(at, rows - 1)] != slots)
     k = w.shape[1]
     extra = w.reshape(-1, 1).astype(jnp.float32) * jnp.repeat(g.astype(jnp.float32), k, axis=0)
     fix = jnp.zeros(y.shape, jnp.float32).at[jnp.where(shared, s2d, rows)].add(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks
-from jax_moe.ops._common import sds
+from jax_moe.ops._common import inverse_map, sds
 from jax_moe.ops.combine import _combine_call
 
 
@@ -61,16 +61,11 @@ def gather_transpose(g, dst_to_src, k: int, tokens: int, src_to_dst=None):
     n = tokens * k
     if src_to_dst is not None:
         return _combine_call(g, jnp.ones((tokens, k), jnp.float32), src_to_dst)
-    m = g.shape[0]
-    rows = jnp.arange(m, dtype=jnp.int32)
-    d2s = dst_to_src.astype(jnp.int32)
-    slot = jnp.where((d2s >= 0) & (d2s < n), d2s, n)  # n: not a token's row
-    # One row per slot (the last that names it; max is order-free), summed per
-    # token by the combine kernel; every other row naming a taken slot is added after.
-    inverse = jnp.full((n,), -1, jnp.int32).at[slot].max(rows, mode="drop")
+    # One row per slot (the last that names it), summed per token by the
+    # combine kernel; every other row naming a taken slot is added after.
+    inverse, extra = inverse_map(dst_to_src, n)
     out = _combine_call(g, jnp.ones((tokens, k), jnp.float32), inverse)
-    extra = (slot < n) & (inverse[jnp.minimum(slot, n - 1)] != rows)
-    token = jnp.where(extra, slot // k, tokens)
+    token = jnp.where(extra, dst_to_src.astype(jnp.int32) // k, tokens)
     dup = jnp.zeros((tokens, g.shape[1]), jnp.float32).at[token].add(
         g.astype(jnp.float32), mode="drop")
     return (out.astype(jnp.float32) + dup).astype(g.dtype)
