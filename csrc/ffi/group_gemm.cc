@@ -20,12 +20,13 @@ namespace {
 
 ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
-                        bool gather, int64_t topk, int64_t tile_m,
+                        bool gather, int64_t topk, int64_t tile_m, bool w_kn,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*scratch*/) {
   GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, w_kn, *out, &d);
       err.failure())
     return err;
+  if (w_kn) return InvalidArg("group_gemm: w_kn runs on the CUDA sm90 path only");
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
     GroupGemm<DT>(PoolOf(pool), x.untyped_data(), w.untyped_data(), expert_sizes.typed_data(), d,
                   gather ? rows.typed_data() : nullptr, topk, out->untyped_data());
@@ -34,14 +35,17 @@ ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 }
 
 #ifdef JAX_MOE_WITH_CUDA
-// `scratch` (bytes) is only used by the sm90 path (tile_m = 256).
+// `scratch` (bytes) is only used by the sm90 path (tile_m = 256). w_kn (w as
+// (E, K, N), the dgrad's layout) exists on that path only: Python asks for
+// it only where tuning.sm90_usable holds, and a call that still cannot take
+// the path fails with an error rather than reading w in the wrong layout.
 ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,
-                         bool gather, int64_t topk, int64_t tile_m,
+                         bool gather, int64_t topk, int64_t tile_m, bool w_kn,
                          ffi::Result<ffi::AnyBuffer> out,
                          [[maybe_unused]] ffi::Result<ffi::AnyBuffer> scratch) {
   GemmDims d;
-  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, *out, &d);
+  if (auto err = CheckGroupGemm(x, w, expert_sizes, rows, gather, topk, tile_m, w_kn, *out, &d);
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
@@ -53,6 +57,7 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
         Sm90GemmCall call{};
         call.stream = stream;
         call.bf16 = DT == DType::BF16;
+        call.w_kn = w_kn;
         call.x = x.untyped_data();
         call.w = w.untyped_data();
         call.sizes = expert_sizes.typed_data();
@@ -73,6 +78,7 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
       }
     }
 #endif
+    if (w_kn) return InvalidArg("group_gemm: w_kn needs the sm90 path, which cannot run this call");
     return CudaError(LaunchGroupGemmFor(stream, DT, x.untyped_data(), w.untyped_data(),
                                         expert_sizes.typed_data(), out->untyped_data(), d,
                                         row_src, topk, tile_m == 256 ? 128 : tile_m, false),

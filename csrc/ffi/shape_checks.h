@@ -93,14 +93,17 @@ inline ffi::Error CheckMoeDecode(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
 inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                                  const ffi::Buffer<ffi::S32>& sizes,
                                  const ffi::Buffer<ffi::S32>& rows, bool gather, int64_t topk,
-                                 int64_t tile_m, const ffi::AnyBuffer& out, GemmDims* d) {
+                                 int64_t tile_m, bool w_kn, const ffi::AnyBuffer& out,
+                                 GemmDims* d) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3)
     return InvalidArg("group_gemm: x must be (M, K) and w (E, N, K)");
   const int64_t m = gather ? static_cast<int64_t>(rows.element_count()) : xd[0];
-  *d = {m, xd[1], wd[0], wd[1], xd[0]};
-  if (wd[2] != d->k) return InvalidArg("group_gemm: K of x and w differ");
+  *d = {m, xd[1], wd[0], w_kn ? wd[2] : wd[1], xd[0]};
+  if ((w_kn ? wd[1] : wd[2]) != d->k) return InvalidArg("group_gemm: K of x and w differ");
+  if (w_kn && (gather || tile_m != 256))
+    return InvalidArg("group_gemm: w_kn (w as (E, K, N)) takes no gather and tile_m 256 only");
   if (static_cast<int64_t>(sizes.element_count()) != d->groups)
     return InvalidArg("group_gemm: expert_sizes must have E entries");
   if (x.element_type() != w.element_type() || out.element_type() != x.element_type())

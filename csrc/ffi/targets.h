@@ -99,6 +99,7 @@ auto GroupGemmSignature(Bound bound) {
       .template Attr<bool>("gather")
       .template Attr<int64_t>("topk")
       .template Attr<int64_t>("tile_m")
+      .template Attr<bool>("w_kn")  // w is (E, K, N): the dgrad (sm90 path only)
       .template Ret<xla::ffi::AnyBuffer>()  // out
       .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
 }

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
-from jax_moe.ops.group_gemm import _group_gemm_call
+from jax_moe.ops.group_gemm import _group_gemm_call, matmul_kn
 from jax_moe.ops.group_gemm_wgrad import _group_gemm_wgrad
 
 __all__ = ["ragged_dot"]
@@ -78,9 +78,9 @@ def _local_groups(lhs, rhs, sizes, offset):
 
 @jax.custom_vjp
 def _ragged_dot(lhs, rhs, sizes):
-    # The kernels take the weights as (G, N, K): rhs (G, K, N) is transposed
-    # for the forward only; both gradients use it as stored.
-    return _group_gemm_call(lhs, jnp.swapaxes(rhs, 1, 2), sizes, None, 1, None)
+    # rhs (G, K, N): the forward reads it in that layout (matmul_kn), both
+    # gradients as the forward kernels' (G, N', K').
+    return matmul_kn(lhs, rhs, sizes)
 
 
 def _ragged_dot_fwd(lhs, rhs, sizes):

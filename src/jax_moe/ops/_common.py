@@ -24,12 +24,12 @@ def bias_arg(e_score_correction_bias, experts: int):
     return True, jnp.asarray(e_score_correction_bias).astype(jnp.float32)
 
 
-def gemm_tile(m: int, w, dtype, tile) -> int:
-    """group_gemm's rows per tile for m rows and w (E, N, K): `tile` (checked)
-    when given, else jax_moe.tuning's choice."""
+def gemm_tile(m: int, shape, dtype, tile) -> int:
+    """group_gemm's rows per tile for m rows and w of shape (E, N, K): `tile`
+    (checked) when given, else jax_moe.tuning's choice."""
     if tile is not None:
         return tile
-    experts, n, k = w.shape
+    experts, n, k = shape
     return tuning.group_gemm_tile_m(m, experts, n, k, dtype)
 
 

@@ -35,7 +35,7 @@ def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: s
 def _mlp_tiles(m: int, w13, w2, dtype, tiles) -> tuple:
     """(w13's, w2's) tile_m for m rows: the checked pair `tiles`, each None
     resolved by jax_moe.tuning."""
-    return gemm_tile(m, w13, dtype, tiles[0]), gemm_tile(m, w2, dtype, tiles[1])
+    return gemm_tile(m, w13.shape, dtype, tiles[0]), gemm_tile(m, w2.shape, dtype, tiles[1])
 
 
 def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,

@@ -67,7 +67,7 @@ def group_gemm_vjp(x, w, expert_sizes, rows, topk: int, g, src_to_dst=None):
     the tokens by gather_transpose; src_to_dst: the inverse of rows when the
     caller has it), dw by the k-grouped GEMM (group_gemm_wgrad)."""
     g = g.astype(x.dtype)
-    dxs = _group_gemm_call(g, jnp.swapaxes(w, 1, 2), expert_sizes, None, 1, None)
+    dxs = matmul_kn(g, w, expert_sizes)  # g[rows of e] @ w[e]
     if rows is None:
         dx = dxs
     else:
@@ -75,11 +75,27 @@ def group_gemm_vjp(x, w, expert_sizes, rows, topk: int, g, src_to_dst=None):
     return dx, _group_gemm_wgrad(g, x, expert_sizes, rows, topk)
 
 
-def _group_gemm_call(x, w, expert_sizes, rows, topk: int, tile):
-    """The jax_moe_group_gemm custom call."""
+def matmul_kn(x, w, expert_sizes):
+    """x (M, K) grouped by expert times w[e] for w (E, K, N) -> (M, N): the
+    dgrad's product (against the forward's (E, N, K) weights) and
+    ragged_dot's. Where the tuned tile is the sm90 kernel's it reads w as
+    stored (w_kn); elsewhere the other kernels run against a transposed copy
+    of w, which XLA writes each call."""
+    experts, k, n = w.shape
+    m = x.shape[0]
+    if (m > 0 and tuning.sm90_usable(n, k, x.dtype)
+            and tuning.group_gemm_tile_m(m, experts, n, k, x.dtype) == tuning.SM90_TILE):
+        return _group_gemm_call(x, w, expert_sizes, None, 1, tuning.SM90_TILE, w_kn=True)
+    return _group_gemm_call(x, jnp.swapaxes(w, 1, 2), expert_sizes, None, 1, None)
+
+
+def _group_gemm_call(x, w, expert_sizes, rows, topk: int, tile, w_kn: bool = False):
+    """The jax_moe_group_gemm custom call; w_kn: w is (E, K, N) (sm90 only)."""
     experts, n, k = w.shape
+    if w_kn:
+        n, k = k, n
     m = x.shape[0] if rows is None else rows.shape[0]
-    tile = gemm_tile(m, w, x.dtype, tile)
+    tile = gemm_tile(m, (experts, n, k), x.dtype, tile)
     gather = rows is not None
     # The sm90 kernel's device-side group arrays, CUTLASS workspace and (with
     # a gather) expanded rows live in a second output: an XLA buffer keeps a
@@ -94,5 +110,5 @@ def _group_gemm_call(x, w, expert_sizes, rows, topk: int, tile):
         vmap_method="sequential")
     rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
     out, _ = call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
-                  topk=np.int64(topk), tile_m=np.int64(tile))
+                  topk=np.int64(topk), tile_m=np.int64(tile), w_kn=w_kn)
     return out

@@ -11,12 +11,14 @@
 
 namespace jax_moe {
 
-// One group_gemm call: out (m, n) = rows of x grouped by expert times w[e]^T.
+// One group_gemm call: out (m, n) = rows of x grouped by expert times w[e]^T
+// (w_kn: times w[e]).
 struct Sm90GemmCall {
   cudaStream_t stream;
   bool bf16;              // else f16
+  bool w_kn;              // w is (groups, k, n): the dgrad against the forward's weights
   const void* x;          // (m, k), or (x_rows, k) with a gather
-  const void* w;          // (groups, n, k)
+  const void* w;          // (groups, n, k), or (groups, k, n) with w_kn
   const int32_t* sizes;   // (groups,) rows per expert (device)
   const int32_t* rows;    // (m,) dst_to_src of the gather (device), or null
   int64_t topk;
@@ -35,9 +37,13 @@ struct Sm90GemmCall {
 cudaError_t GroupGemmSm90(const Sm90GemmCall& c, bool* ran);
 
 // Bytes of the scratch output that group_gemm needs for the sm90 path
-// (tile_m = 256): group arrays, the CUTLASS workspace for up to 144 SMs and,
-// with a gather, the expanded rows (m x k 16-bit elements). A pure function
-// of its arguments: no device query.
+// (tile_m = 256), either layout of w: group arrays, the CUTLASS workspace for
+// up to 144 SMs and, with a gather, the expanded rows (m x k 16-bit
+// elements). A pure function of its arguments: no device query.
 int64_t GroupGemmSm90ScratchBytes(int64_t m, int64_t k, int64_t groups, bool gather);
+
+// The w_kn halves of the two above (gemm_kn_sm90a.cu); callers use those.
+cudaError_t GroupGemmSm90Kn(const Sm90GemmCall& c, bool* ran);
+int64_t GroupGemmSm90KnScratchBytes(int64_t m, int64_t k, int64_t groups, bool gather);
 
 }  // namespace jax_moe
