@@ -5,7 +5,7 @@ autodiff) in the same run.
 
 Each timed program is a straight-line chain of steps (_bench_common.chain):
 step i routes with fresh logits (rotating among several random batches),
-made to depend on the previous step's input gradient, takes that gradient
+made to depend on the previous step's gradients, takes its input gradient
 as its input, and sees the weights through an optimization barrier, so that
 XLA can neither merge work across steps nor keep a transposed copy of the
 weights from one step to the next (in training the weights change every
@@ -51,20 +51,26 @@ def _inputs(shape, tokens, dtype, seed):
 
 def _step_fn(backend, topk, backward, remat):
     """One step: (h, logits, w13, w2, ct) -> (next input, a scalar that
-    keeps every gradient alive)."""
+    keeps every gradient alive, the weights as the next step must see
+    them)."""
 
     def layer(h, lg, w13, w2):
         return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend, remat=remat)
 
     def step(h, lg, w13, w2, ct):
+        # The weights pass through a barrier with this step's input: to XLA
+        # they are new values each step (as after an optimizer's update), so
+        # nothing derived from them (a transposed copy, say) is kept from
+        # step to step. Each step's barrier takes the previous one's output:
+        # barriers on the parameters themselves would each get a copy.
         w13, w2 = jax.lax.optimization_barrier((w13, w2, h))[:2]
         if not backward:
             out = layer(h, lg, w13, w2)
-            return out, jnp.zeros((), jnp.float32)
+            return out, jnp.zeros((), jnp.float32), w13, w2
         _, vjp = jax.vjp(layer, h, lg, w13, w2)
         dx, dlg, dw13, dw2 = jax.lax.optimization_barrier(vjp(ct))
         keep = (dlg[0, 0] + dw13[0, 0, 0].astype(jnp.float32) + dw2[0, 0, 0].astype(jnp.float32))
-        return dx, keep
+        return dx, keep, w13, w2
 
     return step
 
@@ -75,11 +81,15 @@ def _program(backend, topk, n, backward, remat):
     @jax.jit
     def run(x, logits, w13, w2, ct):
         def body(i, carry):
-            h, acc = carry
-            lg = after(logits[i % logits.shape[0]], h)
-            nxt, keep = step(h, lg, w13, w2, ct)
-            return after(x, nxt), acc + keep
-        return chain(body, n, (x, jnp.zeros((), jnp.float32)))
+            h, acc, prev, w13, w2 = carry
+            # The routing waits for the previous step's gradients too (as a
+            # step waits for the optimizer's update): XLA may not defer their
+            # use and keep several steps' weight gradients alive at once.
+            lg = after(logits[i % logits.shape[0]], h) + prev * 0
+            nxt, keep, w13, w2 = step(h, lg, w13, w2, ct)
+            return after(x, nxt), acc + keep, keep, w13, w2
+        zero = jnp.zeros((), jnp.float32)
+        return chain(body, n, (x, zero, zero, w13, w2))[:2]
 
     return run
 
@@ -96,7 +106,8 @@ def _step_bytes(backend, topk, args, remat):
     """Device bytes of one compiled training step: arguments, temporaries, outputs."""
     step = _step_fn(backend, topk, True, remat)
     x, logits, w13, w2, ct = args
-    m = jax.jit(step).lower(x, logits[0], w13, w2, ct).compile().memory_analysis()
+    one = jax.jit(lambda *a: step(*a)[:2])
+    m = one.lower(x, logits[0], w13, w2, ct).compile().memory_analysis()
     if m is None:
         return None
     return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
