@@ -5,7 +5,8 @@ Semantics shared with the kernels:
 - write_kv: slots outside [0, num_pages * page_size) are skipped.
 - paged_decode_attention: lengths are clamped to [0, max_pages * page_size];
   tokens whose page id lies outside [0, num_pages) are skipped (masked out); a
-  sequence with no valid token gets a zero output. Softmax in f32.
+  sequence with no valid token gets a zero output. Softmax in f32. V's head
+  dim (v_pages' last axis, the output's) may differ from K's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     s = slot_mapping.astype(jnp.int32)
     s = jnp.where((s >= 0) & (s < num_slots), s, num_slots)  # out of bounds: dropped
     kf = k_pages.reshape(num_slots, hkv, d).at[s].set(k, mode="drop")
-    vf = v_pages.reshape(num_slots, hkv, d).at[s].set(v, mode="drop")
+    vf = v_pages.reshape(num_slots, hkv, v_pages.shape[3]).at[s].set(v, mode="drop")
     return kf.reshape(k_pages.shape), vf.reshape(v_pages.shape)
 
 
@@ -39,6 +40,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     _ac.decode_split_tokens(split_tokens, page_table.shape[1] * k_pages.shape[1])
     b, hq, d = q.shape
     p, ps, hkv, _ = k_pages.shape
+    dv = v_pages.shape[3]
     g = hq // hkv
     mp = page_table.shape[1]
     t = jnp.arange(mp * ps)
@@ -47,7 +49,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     valid = (t[None, :] < ln[:, None]) & (pages >= 0) & (pages < p)
     slots = jnp.where(valid, pages * ps + t[None, :] % ps, 0)
     kk = k_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)       # (B, T, Hkv, D)
-    vv = v_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)
+    vv = v_pages.reshape(p * ps, hkv, dv)[slots].astype(jnp.float32)     # (B, T, Hkv, Dv)
     qf = q.astype(jnp.float32).reshape(b, hkv, g, d) * scale
     s = jnp.einsum("bhgd,bthd->bhgt", qf, kk, precision=jax.lax.Precision.HIGHEST)
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
@@ -56,7 +58,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     l = jnp.sum(e, axis=-1, keepdims=True)
     o = jnp.einsum("bhgt,bthd->bhgd", e, vv, precision=jax.lax.Precision.HIGHEST)
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-    return o.reshape(b, hq, d).astype(q.dtype)
+    return o.reshape(b, hq, dv).astype(q.dtype)
 
 
 def fill_rows(x, start, poison):
