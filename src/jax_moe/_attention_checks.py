@@ -3,6 +3,9 @@
 Shape and dtype checks run at trace time (free under jax.jit, before any
 kernel). Value checks (slots, page ids, lengths) run only eagerly, on concrete
 arrays: under jit the values are unknown and the kernels clamp/skip instead.
+Index arguments may have any integer dtype; index_int32 is how they reach the
+kernels' int32 (saturated, so that a 64-bit value past int32 stays out of
+range instead of wrapping onto a valid index).
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ def scale_value(scale, d: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a Python float (static) or None, got {scale!r}")
     return float(scale)
+
+
+def index_int32(x):
+    """An integer index array as int32, saturated to int32's range first: a
+    value past it (int64 under jax_enable_x64, uint32, uint64) becomes
+    2**31 - 1 or -2**31, which every op treats as out of range (a slot or
+    page id past the cache, a length clamped to the capacity), where a plain
+    astype would wrap it onto a valid index."""
+    dt = jnp.dtype(x.dtype)
+    info, i32 = jnp.iinfo(dt), jnp.iinfo(jnp.int32)
+    if info.min >= i32.min and info.max <= i32.max:
+        return x.astype(jnp.int32)
+    lo, hi = max(int(info.min), int(i32.min)), min(int(info.max), int(i32.max))
+    return jnp.clip(x, np.array(lo, dt), np.array(hi, dt)).astype(jnp.int32)
 
 
 def head_dim(d: int, name: str) -> None:
@@ -88,7 +105,7 @@ def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
             f"slot_mapping must have N={k.shape[0]} entries, got {slot_mapping.shape[0]}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
     if _concrete(slot_mapping) and slot_mapping.shape[0]:
-        s = np.asarray(slot_mapping).astype(np.int64)
+        s = np.asarray(slot_mapping)  # compared in its own dtype: nothing wraps
         if int(s.max()) >= num_slots:
             raise ValueError(
                 f"slot_mapping must lie in [0, num_pages * page_size = {num_slots}) (negative = "
@@ -142,13 +159,14 @@ def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
             f"page_table's capacity max_pages_per_seq * page_size = {capacity} exceeds "
             f"{MAX_DECODE_TOKENS} tokens")
     if _concrete(lengths) and b:
-        ln = np.asarray(lengths).astype(np.int64)
+        ln = np.asarray(lengths)  # compared in its own dtype: nothing wraps
         if int(ln.min()) < 0 or int(ln.max()) > capacity:
             raise ValueError(
                 f"lengths must lie in [0, max_pages_per_seq * page_size = {capacity}], found "
                 f"values in [{int(ln.min())}, {int(ln.max())}]")
+        ln = ln.astype(np.int64)  # in [0, capacity]
         if _concrete(page_table):
-            pt = np.asarray(page_table).astype(np.int64)
+            pt = np.asarray(page_table)
             used = np.arange(pt.shape[1])[None, :] * page_size < ln[:, None]
             bad = used & ((pt < 0) | (pt >= num_pages))
             if bad.any():

@@ -12,6 +12,12 @@ The KV cache is plain arrays:
 Token t of sequence b lives in slot page_table[b, t // page_size] * page_size +
 t % page_size. Pure-jnp twins with the same semantics: jax_moe.attention_reference.
 
+Index arguments (slot_mapping, page_table, lengths) may have any integer
+dtype. Their values are compared with the ranges below in their own dtype:
+the conversion to the kernels' int32 saturates, so an int64 value past int32
+(jax_enable_x64) is out of range like any other, never wrapped onto a valid
+slot, page or length.
+
 Invalid values (only checkable eagerly; under jax.jit the kernels guard instead):
   - write_kv: slots outside [0, num_pages * page_size) are skipped (negative
     slots are the documented padding; eagerly, slots >= num_pages * page_size
@@ -88,8 +94,9 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     (input_output_aliases={0: 0, 1: 1}): under
     ``jax.jit(step, donate_argnums=...)`` with the caches donated, the update is
     in place and the cache is never copied. Slots < 0 (padding) and slots past
-    the cache are skipped; eagerly, slots past the cache and duplicate slots
-    raise ValueError."""
+    the cache, however large (int64 slots are not wrapped to int32), are
+    skipped; eagerly, slots past the cache and duplicate slots raise
+    ValueError."""
     _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
     call = jax.ffi.ffi_call(
         "jax_moe_write_kv",
@@ -97,7 +104,7 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
         input_output_aliases={0: 0, 1: 1},
         vmap_method="sequential",
     )
-    return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
+    return call(k_pages, v_pages, k, v, _ac.index_int32(slot_mapping))
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None,
@@ -117,6 +124,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     the smallest of them that covers both dims (rows zero-filled in shared
     memory: only the real dims are read from the cache, the arithmetic is
     that of the compiled dim).
+    lengths are clamped to [0, capacity] and page ids outside [0, P) are
+    skipped, whatever their integer dtype (64-bit values are saturated, not
+    wrapped, on the way to the kernels' int32).
 
     split_tokens (static; None = decode_split_tokens' choice): tokens per
     split of the flash-decoding kernel, a multiple of DECODE_SPLIT_UNIT up to
@@ -137,8 +147,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
          _sds((b, hq, splits, 2), jnp.float32)),  # scratch: per-split (max, sum)
         vmap_method="sequential",
     )
-    out, _, _ = call(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                     lengths.astype(jnp.int32), scale=np.float32(scale),
+    out, _, _ = call(q, k_pages, v_pages, _ac.index_int32(page_table),
+                     _ac.index_int32(lengths), scale=np.float32(scale),
                      split_tokens=np.int64(split_tokens))
     return out
 

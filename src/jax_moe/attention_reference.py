@@ -7,6 +7,9 @@ Semantics shared with the kernels:
   tokens whose page id lies outside [0, num_pages) are skipped (masked out); a
   sequence with no valid token gets a zero output. Softmax in f32. V's head
   dim (v_pages' last axis, the output's) may differ from K's.
+- Index arguments of any integer dtype reach int32 saturated
+  (_attention_checks.index_int32): a 64-bit value past int32 is out of range,
+  never wrapped.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
     p, ps, hkv, d = k_pages.shape
     num_slots = p * ps
-    s = slot_mapping.astype(jnp.int32)
+    s = _ac.index_int32(slot_mapping)
     s = jnp.where((s >= 0) & (s < num_slots), s, num_slots)  # out of bounds: dropped
     kf = k_pages.reshape(num_slots, hkv, d).at[s].set(k, mode="drop")
     vf = v_pages.reshape(num_slots, hkv, v_pages.shape[3]).at[s].set(v, mode="drop")
@@ -44,8 +47,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     g = hq // hkv
     mp = page_table.shape[1]
     t = jnp.arange(mp * ps)
-    pages = page_table.astype(jnp.int32)[:, t // ps]                       # (B, T)
-    ln = jnp.clip(lengths.astype(jnp.int32), 0, mp * ps)
+    pages = _ac.index_int32(page_table)[:, t // ps]                        # (B, T)
+    ln = jnp.clip(_ac.index_int32(lengths), 0, mp * ps)
     valid = (t[None, :] < ln[:, None]) & (pages >= 0) & (pages < p)
     slots = jnp.where(valid, pages * ps + t[None, :] % ps, 0)
     kk = k_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)       # (B, T, Hkv, D)
@@ -120,12 +123,12 @@ def dispatch_steps(write_kv_fn, prefill_fn, decode_fn, q, k, v, k_pages, v_pages
     if lengths.shape[0] != b:
         raise ValueError(f"lengths must have B={b} entries (len(cu_seqlens) - 1), "
                          f"got {lengths.shape[0]}")
-    decode_lengths = jnp.where(is_decode, lengths.astype(jnp.int32), 0)
+    decode_lengths = jnp.where(is_decode, _ac.index_int32(lengths), 0)
     _ac.decode_args(jax.ShapeDtypeStruct((b,) + q.shape[1:], q.dtype), k_pages, v_pages,
                     page_table, decode_lengths, scale)
     _ac.decode_split_tokens(split_tokens, page_table.shape[1] * k_pages.shape[1])
     k_pages, v_pages = write_kv_fn(k_pages, v_pages, k, v, slot_mapping)
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = _ac.index_int32(cu_seqlens)
     prefill_out = prefill_fn(q, k, v, cu)
     if n == 0 or b == 0:  # no query token, or no sequence: prefill's zeros
         return prefill_out, k_pages, v_pages

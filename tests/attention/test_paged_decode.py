@@ -1,8 +1,8 @@
 """jax_moe.attention.paged_decode_attention (FFI, CPU + CUDA) against its jnp
 twin (attention_reference) and a plain numpy float64 dense attention over the
 same tokens: GQA, page sizes, head dims (small ones, V's differing from K's),
-splits of long sequences, empty sequences, bad values under jit, write_kv
-then decode, argument errors; (gpu) CUDA against the
+splits of long sequences, empty sequences, bad values under jit, 64-bit
+index values, write_kv then decode, argument errors; (gpu) CUDA against the
 CPU handler; small edge cases for compute-sanitizer."""
 
 import functools
@@ -363,3 +363,44 @@ def test_decode_rejects_caches_past_int32_slots():
         jax.eval_shape(attention.paged_decode_attention, q, kp, kp, pt, ln)
     ok = jax.ShapeDtypeStruct(((1 << 27) - 1, 16, 1, 64), jnp.bfloat16)
     assert jax.eval_shape(attention.paged_decode_attention, q, ok, ok, pt, ln).shape == (1, 2, 64)
+
+
+# ---- 64-bit index values (jax_enable_x64) ----------------------------------
+
+def test_decode_int64_values_past_int32_are_out_of_range_under_jit(rng):
+    """With x64 on, page ids and lengths past int32 are out of range under
+    jit (the page skipped, the length clamped to the capacity), as the int32
+    call with those meanings gives; never wrapped onto page 1 or length 5."""
+    with jax.enable_x64(True):
+        kp, vp, table, _ = make_cache(rng, [40, 20, 30], 16, 2, 64, jnp.float32, max_pages=3)
+        q = normal(rng, (3, 4, 64), jnp.float32)
+        t32 = np.asarray(table).astype(np.int32)
+        t64 = t32.astype(np.int64)
+        t64[0, 1] = 2**32 + 1                  # int32 wrap: page 1
+        t32[0, 1] = -1
+        ln64 = np.array([40, 2**32 + 5, 30], np.int64)  # int32 wrap: 5
+        ln32 = np.array([40, 48, 30], np.int32)         # the capacity, 3 pages of 16
+        args64 = (q, kp, vp, jnp.asarray(t64, jnp.int64), jnp.asarray(ln64, jnp.int64))
+        args32 = (q, kp, vp, jnp.asarray(t32), jnp.asarray(ln32))
+        want = decode_np(*args32, 1 / 8)
+        for f, name in ((attention.paged_decode_attention, "decode"),
+                        (attention_reference.paged_decode_attention, "reference")):
+            got = jax.jit(f)(*args64)
+            assert_equal(got, jax.jit(f)(*args32), f"{name}: int64 vs int32 meaning")
+            assert_close(got, want, jnp.float32, f"{name} vs numpy")
+        with pytest.raises(ValueError, match="lengths must lie in"):
+            attention.paged_decode_attention(*args64)
+
+
+def test_decode_uint32_lengths_past_int32_are_clamped_under_jit(rng):
+    """uint32 lengths past int32 (no x64 needed) are clamped to the capacity
+    under jit, not wrapped to negative (no token)."""
+    kp, vp, table, _ = make_cache(rng, [40, 20], 16, 2, 64, jnp.float32, max_pages=3)
+    q = normal(rng, (2, 4, 64), jnp.float32)
+    big = jnp.asarray([2**32 - 1, 20], jnp.uint32)
+    meaning = jnp.asarray([48, 20], jnp.int32)  # the capacity, 3 pages of 16
+    for f in (attention.paged_decode_attention, attention_reference.paged_decode_attention):
+        got = jax.jit(f)(q, kp, vp, table, big)
+        assert_equal(got, jax.jit(f)(q, kp, vp, table, meaning), f"{f.__module__}")
+    assert_close(got, decode_np(q, kp, vp, table, meaning, 1 / 8), jnp.float32,
+                 "vs numpy")

@@ -1,7 +1,8 @@
 """jax_moe.attention.write_kv (FFI, CPU + CUDA): the new tokens' k and v
 written into the paged cache at slot_mapping, against its jnp twin
 (attention_reference.write_kv): padding and out-of-range slots, V's head dim
-differing from K's, in place with donation, argument errors."""
+differing from K's, 64-bit slots past int32, in place with donation,
+argument errors."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from attention_cases import ref_write_kv
 from common import DTYPE_IDS, FLOAT_DTYPES, assert_equal, normal
-from jax_moe import attention
+from jax_moe import attention, attention_reference
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
@@ -65,6 +66,24 @@ def test_write_kv_v_head_dim_differs(rng, dtype, d, dv):
         want = np.asarray(old).reshape(pages * ps, hkv, -1).copy()
         want[s[s >= 0]] = np.asarray(new)[s >= 0]
         assert_equal(np.asarray(cache).reshape(want.shape), want, "written rows, the rest kept")
+
+
+def test_write_kv_int64_slots_past_int32_are_skipped_under_jit(rng):
+    """With x64 on, int64 slots past int32 are out of range: skipped under jit
+    (never wrapped onto slot 5 or 7), ValueError eagerly."""
+    with jax.enable_x64(True):
+        kp, vp = normal(rng, (3, 16, 1, 64), jnp.float32), normal(rng, (3, 16, 1, 64), jnp.float32)
+        k, v = normal(rng, (4, 1, 64), jnp.float32), normal(rng, (4, 1, 64), jnp.float32)
+        slots = jnp.asarray([2**32 + 5, 3, -(2**32) + 7, 2**31], jnp.int64)
+        for f, name in ((attention.write_kv, "write_kv"),
+                        (attention_reference.write_kv, "reference")):
+            nk, nv = jax.jit(f)(kp, vp, k, v, slots)
+            for got, old, new, what in ((nk, kp, k, "k_pages"), (nv, vp, v, "v_pages")):
+                want = np.asarray(old).reshape(48, 1, -1).copy()
+                want[3] = np.asarray(new)[1]  # only slot 3 is in range
+                assert_equal(np.asarray(got).reshape(want.shape), want, f"{name} {what}")
+        with pytest.raises(ValueError, match="slot_mapping must lie in"):
+            attention.write_kv(kp, vp, k, v, slots)
 
 
 def test_write_kv_in_place_with_donation(rng):
