@@ -21,12 +21,12 @@ PREFILL_RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2,
 # ---- numpy float64 oracles --------------------------------------------------
 
 def dense_attention_np(q, k, v, scale, causal_offset=None):
-    """q (Tq, Hq, D), k/v (Tk, Hkv, D) float64 -> (Tq, Hq, D); causal_offset: query
-    i sees keys j <= i + causal_offset. No keys: zeros."""
-    tq, hq, d = q.shape
+    """q (Tq, Hq, Dk), k (Tk, Hkv, Dk), v (Tk, Hkv, Dv) float64 -> (Tq, Hq, Dv);
+    causal_offset: query i sees keys j <= i + causal_offset. No keys: zeros."""
+    tq, hq, _ = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    out = np.zeros((tq, hq, d))
+    out = np.zeros((tq, hq, v.shape[2]))
     if k.shape[0] == 0:
         return out
     for h in range(hq):
@@ -44,7 +44,7 @@ def decode_np(q, k_pages, v_pages, page_table, lengths, scale):
     q, kp, vp = (np.asarray(a).astype(np.float64) for a in (q, k_pages, v_pages))
     pt, ln = np.asarray(page_table), np.asarray(lengths)
     ps = kp.shape[1]
-    out = np.zeros(q.shape)
+    out = np.zeros(q.shape[:2] + vp.shape[3:])
     for b in range(q.shape[0]):
         toks = [(pt[b, t // ps], t % ps) for t in range(ln[b])]
         toks = [(p, o) for p, o in toks if 0 <= p < kp.shape[0]]
@@ -57,10 +57,10 @@ def decode_np(q, k_pages, v_pages, page_table, lengths, scale):
 # ---- random paged caches ----------------------------------------------------
 
 def make_cache(rng, lengths, page_size, hkv, d, dtype, extra_pages=3, max_pages=None,
-               share=False):
+               share=False, dv=None):
     """Caches with the pages of all sequences in a random order (and spare
     pages); share=True makes the first page of every sequence the same page
-    (a shared prefix)."""
+    (a shared prefix). K's head dim d, V's dv (default d)."""
     need = [max(1, -(-int(n) // page_size)) for n in lengths]
     max_pages = max(need) + 1 if max_pages is None else max_pages
     total = sum(need) + extra_pages
@@ -73,14 +73,14 @@ def make_cache(rng, lengths, page_size, hkv, d, dtype, extra_pages=3, max_pages=
     if share:
         table[:, 0] = table[0, 0]
     kp = normal(rng, (total, page_size, hkv, d), dtype)
-    vp = normal(rng, (total, page_size, hkv, d), dtype)
+    vp = normal(rng, (total, page_size, hkv, d if dv is None else dv), dtype)
     return kp, vp, jnp.asarray(table), jnp.asarray(np.asarray(lengths, np.int32))
 
 
 def check_decode(q, kp, vp, table, lengths, dtype, scale=None):
     s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     out = attention.paged_decode_attention(q, kp, vp, table, lengths, scale=scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape[:2] + vp.shape[3:] and out.dtype == q.dtype
     want_ref = ref_decode(q, kp, vp, table, lengths, scale=scale)
     assert_close(out, want_ref, dtype, "decode vs reference")
     assert_close(out, decode_np(q, kp, vp, table, lengths, s), dtype, "decode vs numpy")
@@ -123,7 +123,8 @@ MAX_SEQLEN_LAYOUTS = {
 
 # ---- small paged-decode arguments (for the error tests) --------------------
 
-def decode_inputs(b=2, hq=4, hkv=2, d=64, pages=4, ps=16, mp=2, dtype=jnp.float32):
+def decode_inputs(b=2, hq=4, hkv=2, d=64, pages=4, ps=16, mp=2, dtype=jnp.float32, dv=None):
     q = jnp.zeros((b, hq, d), dtype)
     kp = jnp.zeros((pages, ps, hkv, d), dtype)
-    return q, kp, kp, jnp.zeros((b, mp), jnp.int32), jnp.ones((b,), jnp.int32)
+    vp = kp if dv is None else jnp.zeros((pages, ps, hkv, dv), dtype)
+    return q, kp, vp, jnp.zeros((b, mp), jnp.int32), jnp.ones((b,), jnp.int32)

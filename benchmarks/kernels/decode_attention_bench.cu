@@ -176,7 +176,8 @@ DecodeDims DimsOf(const Problem& p) {
   d.hq = kHq;
   d.hkv = kHkv;
   d.group = kHq / kHkv;
-  d.head_dim = kD;
+  d.k_dim = kD;
+  d.v_dim = kD;
   d.num_pages = p.num_pages;
   d.page_size = p.page;
   d.max_pages = p.max_pages;

@@ -2,8 +2,8 @@
 // on the CPU (kernels/cpu/attention.h) and on CUDA
 // (kernels/cuda/attention/launch.h). Both platforms run the same checks
 // (ffi/attention_checks.h).
+#include <cstddef>
 #include <cstring>
-#include <utility>
 
 #include "ffi/attention_checks.h"
 #include "ffi/ffi_common.h"
@@ -29,15 +29,15 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBu
   WriteKvDims d;
   if (auto err = CheckWriteKv(k_pages, v_pages, k, v, slots, *k_out, *v_out, &d); err.failure())
     return err;
-  const int64_t row_bytes = d.row_elems * static_cast<int64_t>(ffi::ByteWidth(k.element_type()));
+  const int64_t width = static_cast<int64_t>(ffi::ByteWidth(k.element_type()));
   void* ko = k_out->untyped_data();
   void* vo = v_out->untyped_data();
   // Without donation XLA copies the cache into the output first; if it ever
   // hands us distinct buffers, copy here so the result is still complete.
   if (ko != k_pages.untyped_data()) std::memcpy(ko, k_pages.untyped_data(), k_pages.size_bytes());
   if (vo != v_pages.untyped_data()) std::memcpy(vo, v_pages.untyped_data(), v_pages.size_bytes());
-  WriteKvSlots(k.untyped_data(), v.untyped_data(), slots.typed_data(), d.n, row_bytes,
-               d.num_slots, ko, vo);
+  WriteKvSlots(k.untyped_data(), v.untyped_data(), slots.typed_data(), d.n,
+               d.k_row_elems * width, d.v_row_elems * width, d.num_slots, ko, vo);
   return ffi::Error::Success();
 }
 
@@ -81,17 +81,21 @@ ffi::Error WriteKvCuda(cudaStream_t stream, ffi::AnyBuffer k_pages, ffi::AnyBuff
     return err;
   // The outputs alias the caches (input_output_aliases), so they already hold
   // them; should XLA ever hand over distinct buffers, copy (async, on stream).
-  for (auto [dst, src] : {std::pair{k_out->untyped_data(), k_pages.untyped_data()},
-                          std::pair{v_out->untyped_data(), v_pages.untyped_data()}}) {
-    if (dst == src || k_pages.size_bytes() == 0) continue;
-    if (cudaMemcpyAsync(dst, src, k_pages.size_bytes(), cudaMemcpyDeviceToDevice, stream) !=
-        cudaSuccess)
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+  };
+  for (const Copy& c : {Copy{k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes()},
+                        Copy{v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes()}}) {
+    if (c.dst == c.src || c.bytes == 0) continue;
+    if (cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
       return LastCudaError("write_kv cache copy");
   }
-  const int64_t row_bytes = d.row_elems * static_cast<int64_t>(ffi::ByteWidth(k.element_type()));
+  const int64_t width = static_cast<int64_t>(ffi::ByteWidth(k.element_type()));
   return CudaError(LaunchWriteKv(stream, k.untyped_data(), v.untyped_data(), slots.typed_data(),
-                                 d.n, row_bytes, d.num_slots, k_out->untyped_data(),
-                                 v_out->untyped_data()),
+                                 d.n, d.k_row_elems * width, d.v_row_elems * width, d.num_slots,
+                                 k_out->untyped_data(), v_out->untyped_data()),
                    "write_kv launch");
 }
 

@@ -3,6 +3,9 @@
 Shape and dtype checks run at trace time (free under jax.jit, before any
 kernel). Value checks (slots, page ids, lengths) run only eagerly, on concrete
 arrays: under jit the values are unknown and the kernels clamp/skip instead.
+Index arguments may have any integer dtype; index_int32 is how they reach the
+kernels' int32 (saturated, so that a 64-bit value past int32 stays out of
+range instead of wrapping onto a valid index).
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ import numpy as np
 
 from jax_moe import _checks
 
-HEAD_DIMS = (64, 128, 256)
+# paged_decode_attention's head dims (q's and k_pages' Dk, v_pages' Dv, which
+# may differ): multiples of HEAD_DIM_UNIT up to MAX_HEAD_DIM
+# (kDecodeHeadDimUnit, kDecodeMaxHeadDim in csrc/kernels/common/attention.h).
+HEAD_DIM_UNIT = 8
+MAX_HEAD_DIM = 256
 # The CUDA decode kernel puts its splits on grid.y (<= 65535); with the
 # default splits of >= 256 tokens, the same bound holds on every platform
 # (csrc/ffi/attention.cc).
@@ -37,14 +44,39 @@ def scale_value(scale, d: int) -> float:
     return float(scale)
 
 
+def index_int32(x):
+    """An integer index array as int32, saturated to int32's range first: a
+    value past it (int64 under jax_enable_x64, uint32, uint64) becomes
+    2**31 - 1 or -2**31, which every op treats as out of range (a slot or
+    page id past the cache, a length clamped to the capacity), where a plain
+    astype would wrap it onto a valid index."""
+    dt = jnp.dtype(x.dtype)
+    info, i32 = jnp.iinfo(dt), jnp.iinfo(jnp.int32)
+    if info.min >= i32.min and info.max <= i32.max:
+        return x.astype(jnp.int32)
+    lo, hi = max(int(info.min), int(i32.min)), min(int(info.max), int(i32.max))
+    return jnp.clip(x, np.array(lo, dt), np.array(hi, dt)).astype(jnp.int32)
+
+
+def head_dim(d: int, name: str) -> None:
+    """A head dim of paged_decode_attention: a multiple of HEAD_DIM_UNIT in
+    [HEAD_DIM_UNIT, MAX_HEAD_DIM]."""
+    if d < HEAD_DIM_UNIT or d > MAX_HEAD_DIM or d % HEAD_DIM_UNIT:
+        raise ValueError(f"{name} must be a multiple of {HEAD_DIM_UNIT} in [{HEAD_DIM_UNIT}, "
+                         f"{MAX_HEAD_DIM}], got {d}")
+
+
 def cache_args(k_pages, v_pages) -> None:
+    """k_pages (P, page_size, Hkv, Dk) and v_pages (P, page_size, Hkv, Dv):
+    one dtype, the same pages and kv heads; the head dims may differ."""
     _checks.rank(k_pages, "k_pages", 4)
     _checks.rank(v_pages, "v_pages", 4)
     _checks.float_dtype(k_pages, "k_pages")
     _checks.same_dtype(k_pages, "k_pages", v_pages, "v_pages")
-    if k_pages.shape != v_pages.shape:
+    if k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(
-            f"v_pages must have the shape of k_pages {k_pages.shape}, got {v_pages.shape}")
+            f"v_pages must be (num_pages, page_size, Hkv, Dv) = {k_pages.shape[:3]} + (Dv,) as "
+            f"k_pages {k_pages.shape}, got {v_pages.shape}")
     if k_pages.shape[1] < 1:
         raise ValueError(f"page_size (k_pages.shape[1]) must be >= 1, got {k_pages.shape[1]}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
@@ -60,10 +92,12 @@ def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
     _checks.same_dtype(k_pages, "k_pages", k, "k")
     _checks.same_dtype(k_pages, "k_pages", v, "v")
     _, _, hkv, d = k_pages.shape
+    dv = v_pages.shape[3]
     if k.shape[1:] != (hkv, d):
-        raise ValueError(f"k must be (N, Hkv={hkv}, D={d}) to match k_pages, got {k.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
+        raise ValueError(f"k must be (N, Hkv={hkv}, Dk={d}) to match k_pages, got {k.shape}")
+    if v.shape != (k.shape[0], hkv, dv):
+        raise ValueError(f"v must be (N={k.shape[0]}, Hkv={hkv}, Dv={dv}) to match k and v_pages, "
+                         f"got {v.shape}")
     _checks.rank(slot_mapping, "slot_mapping", 1)
     _checks.int_dtype(slot_mapping, "slot_mapping")
     if slot_mapping.shape[0] != k.shape[0]:
@@ -71,7 +105,7 @@ def write_kv_args(k_pages, v_pages, k, v, slot_mapping) -> None:
             f"slot_mapping must have N={k.shape[0]} entries, got {slot_mapping.shape[0]}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
     if _concrete(slot_mapping) and slot_mapping.shape[0]:
-        s = np.asarray(slot_mapping).astype(np.int64)
+        s = np.asarray(slot_mapping)  # compared in its own dtype: nothing wraps
         if int(s.max()) >= num_slots:
             raise ValueError(
                 f"slot_mapping must lie in [0, num_pages * page_size = {num_slots}) (negative = "
@@ -111,8 +145,8 @@ def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
     num_pages, page_size, hkv, dk = k_pages.shape
     if dk != d:
         raise ValueError(f"k_pages' head dim {dk} must equal q's head dim {d}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"q's head dim must be one of {HEAD_DIMS}, got {d}")
+    head_dim(d, "q's head dim")
+    head_dim(v_pages.shape[3], "v_pages' head dim")
     if hkv < 1 or hq % hkv:
         raise ValueError(f"q's heads ({hq}) must be a multiple of k_pages' kv heads ({hkv})")
     if page_table.shape[0] != b:
@@ -125,13 +159,14 @@ def decode_args(q, k_pages, v_pages, page_table, lengths, scale) -> float:
             f"page_table's capacity max_pages_per_seq * page_size = {capacity} exceeds "
             f"{MAX_DECODE_TOKENS} tokens")
     if _concrete(lengths) and b:
-        ln = np.asarray(lengths).astype(np.int64)
+        ln = np.asarray(lengths)  # compared in its own dtype: nothing wraps
         if int(ln.min()) < 0 or int(ln.max()) > capacity:
             raise ValueError(
                 f"lengths must lie in [0, max_pages_per_seq * page_size = {capacity}], found "
                 f"values in [{int(ln.min())}, {int(ln.max())}]")
+        ln = ln.astype(np.int64)  # in [0, capacity]
         if _concrete(page_table):
-            pt = np.asarray(page_table).astype(np.int64)
+            pt = np.asarray(page_table)
             used = np.arange(pt.shape[1])[None, :] * page_size < ln[:, None]
             bad = used & ((pt < 0) | (pt >= num_pages))
             if bad.any():

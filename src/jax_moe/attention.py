@@ -5,11 +5,18 @@ attention_dispatch: one step of a batch that mixes prefill and decode
 sequences.
 
 The KV cache is plain arrays:
-  k_pages, v_pages  (num_pages, page_size, Hkv, D)
+  k_pages           (num_pages, page_size, Hkv, Dk)
+  v_pages           (num_pages, page_size, Hkv, Dv): V's head dim may differ from K's
   page_table        (B, max_pages_per_seq) int32: page ids of each sequence, in order
   lengths           (B,) int32: tokens of each sequence
 Token t of sequence b lives in slot page_table[b, t // page_size] * page_size +
 t % page_size. Pure-jnp twins with the same semantics: jax_moe.attention_reference.
+
+Index arguments (slot_mapping, page_table, lengths) may have any integer
+dtype. Their values are compared with the ranges below in their own dtype:
+the conversion to the kernels' int32 saturates, so an int64 value past int32
+(jax_enable_x64) is out of range like any other, never wrapped onto a valid
+slot, page or length.
 
 Invalid values (only checkable eagerly; under jax.jit the kernels guard instead):
   - write_kv: slots outside [0, num_pages * page_size) are skipped (negative
@@ -78,14 +85,18 @@ def decode_split_tokens(batch: int, q_heads: int, kv_heads: int, capacity: int, 
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Writes token i's k[i], v[i] (N, Hkv, D) into slot slot_mapping[i] =
-    page * page_size + offset of the caches; returns the updated (k_pages, v_pages).
+    """Writes token i's k[i] (N, Hkv, Dk) and v[i] (N, Hkv, Dv) into slot
+    slot_mapping[i] = page * page_size + offset of k_pages (P, page_size, Hkv,
+    Dk) and v_pages (P, page_size, Hkv, Dv); returns the updated (k_pages,
+    v_pages). Dv may differ from Dk.
 
     The FFI call aliases its outputs to the cache inputs
     (input_output_aliases={0: 0, 1: 1}): under
     ``jax.jit(step, donate_argnums=...)`` with the caches donated, the update is
     in place and the cache is never copied. Slots < 0 (padding) and slots past
-    the cache are skipped."""
+    the cache, however large (int64 slots are not wrapped to int32), are
+    skipped; eagerly, slots past the cache and duplicate slots raise
+    ValueError."""
     _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
     call = jax.ffi.ffi_call(
         "jax_moe_write_kv",
@@ -93,26 +104,37 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
         input_output_aliases={0: 0, 1: 1},
         vmap_method="sequential",
     )
-    return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
+    return call(k_pages, v_pages, k, v, _ac.index_int32(slot_mapping))
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None,
                            split_tokens=None):
     """One query token per sequence against its paged cache.
 
-    q (B, Hq, D) -> (B, Hq, D) in q's dtype; Hq a multiple of Hkv (GQA: query
-    head h reads kv head h // (Hq // Hkv)); D in {64, 128, 256}; scale defaults
-    to 1/sqrt(D). Scores and softmax statistics in f32; the reduction order is
+    q (B, Hq, Dk), k_pages (P, page_size, Hkv, Dk), v_pages (P, page_size,
+    Hkv, Dv) -> (B, Hq, Dv) in q's dtype; Hq a multiple of Hkv (GQA: query
+    head h reads kv head h // (Hq // Hkv)). Dk and Dv are each a multiple of
+    8 in [8, 256] and may differ (e.g. Dk = 192, Dv = 128 as in DeepSeek's
+    attention: no zero padding of V in the cache). scale defaults to
+    1/sqrt(Dk). Scores and softmax statistics in f32; the reduction order is
     fixed (bitwise reproducible run to run). On the GPU, bf16/f16 run on
     tensor cores with the probabilities rounded to q's dtype before they
-    weight V (as FlashAttention does); f32 runs in f32 throughout.
+    weight V (as FlashAttention does); f32 runs in f32 throughout. The CUDA
+    kernels are compiled for head dims 64, 128 and 256; other pairs run on
+    the smallest of them that covers both dims (rows zero-filled in shared
+    memory: only the real dims are read from the cache, the arithmetic is
+    that of the compiled dim).
+    lengths are clamped to [0, capacity] and page ids outside [0, P) are
+    skipped, whatever their integer dtype (64-bit values are saturated, not
+    wrapped, on the way to the kernels' int32).
 
     split_tokens (static; None = decode_split_tokens' choice): tokens per
     split of the flash-decoding kernel, a multiple of DECODE_SPLIT_UNIT up to
     DECODE_MAX_SPLIT_TOKENS. A tuning knob only: any value gives the same
     result up to the order of the sums."""
     scale = _ac.decode_args(q, k_pages, v_pages, page_table, lengths, scale)
-    b, hq, d = q.shape
+    b, hq, _ = q.shape
+    dv = v_pages.shape[3]
     capacity = page_table.shape[1] * k_pages.shape[1]
     split_tokens = _ac.decode_split_tokens(split_tokens, capacity)
     if split_tokens is None:
@@ -120,13 +142,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     splits = decode_num_splits(page_table.shape[1], k_pages.shape[1], split_tokens)
     call = jax.ffi.ffi_call(
         "jax_moe_paged_decode",
-        (_sds(q.shape, q.dtype),
-         _sds((b, hq, splits, d), jnp.float32),   # scratch: per-split partial outputs
+        (_sds((b, hq, dv), q.dtype),
+         _sds((b, hq, splits, dv), jnp.float32),  # scratch: per-split partial outputs
          _sds((b, hq, splits, 2), jnp.float32)),  # scratch: per-split (max, sum)
         vmap_method="sequential",
     )
-    out, _, _ = call(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                     lengths.astype(jnp.int32), scale=np.float32(scale),
+    out, _, _ = call(q, k_pages, v_pages, _ac.index_int32(page_table),
+                     _ac.index_int32(lengths), scale=np.float32(scale),
                      split_tokens=np.int64(split_tokens))
     return out
 

@@ -5,7 +5,11 @@ Semantics shared with the kernels:
 - write_kv: slots outside [0, num_pages * page_size) are skipped.
 - paged_decode_attention: lengths are clamped to [0, max_pages * page_size];
   tokens whose page id lies outside [0, num_pages) are skipped (masked out); a
-  sequence with no valid token gets a zero output. Softmax in f32.
+  sequence with no valid token gets a zero output. Softmax in f32. V's head
+  dim (v_pages' last axis, the output's) may differ from K's.
+- Index arguments of any integer dtype reach int32 saturated
+  (_attention_checks.index_int32): a 64-bit value past int32 is out of range,
+  never wrapped.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
     p, ps, hkv, d = k_pages.shape
     num_slots = p * ps
-    s = slot_mapping.astype(jnp.int32)
+    s = _ac.index_int32(slot_mapping)
     s = jnp.where((s >= 0) & (s < num_slots), s, num_slots)  # out of bounds: dropped
     kf = k_pages.reshape(num_slots, hkv, d).at[s].set(k, mode="drop")
-    vf = v_pages.reshape(num_slots, hkv, d).at[s].set(v, mode="drop")
+    vf = v_pages.reshape(num_slots, hkv, v_pages.shape[3]).at[s].set(v, mode="drop")
     return kf.reshape(k_pages.shape), vf.reshape(v_pages.shape)
 
 
@@ -39,15 +43,16 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     _ac.decode_split_tokens(split_tokens, page_table.shape[1] * k_pages.shape[1])
     b, hq, d = q.shape
     p, ps, hkv, _ = k_pages.shape
+    dv = v_pages.shape[3]
     g = hq // hkv
     mp = page_table.shape[1]
     t = jnp.arange(mp * ps)
-    pages = page_table.astype(jnp.int32)[:, t // ps]                       # (B, T)
-    ln = jnp.clip(lengths.astype(jnp.int32), 0, mp * ps)
+    pages = _ac.index_int32(page_table)[:, t // ps]                        # (B, T)
+    ln = jnp.clip(_ac.index_int32(lengths), 0, mp * ps)
     valid = (t[None, :] < ln[:, None]) & (pages >= 0) & (pages < p)
     slots = jnp.where(valid, pages * ps + t[None, :] % ps, 0)
     kk = k_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)       # (B, T, Hkv, D)
-    vv = v_pages.reshape(p * ps, hkv, d)[slots].astype(jnp.float32)
+    vv = v_pages.reshape(p * ps, hkv, dv)[slots].astype(jnp.float32)     # (B, T, Hkv, Dv)
     qf = q.astype(jnp.float32).reshape(b, hkv, g, d) * scale
     s = jnp.einsum("bhgd,bthd->bhgt", qf, kk, precision=jax.lax.Precision.HIGHEST)
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
@@ -56,7 +61,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
     l = jnp.sum(e, axis=-1, keepdims=True)
     o = jnp.einsum("bhgt,bthd->bhgd", e, vv, precision=jax.lax.Precision.HIGHEST)
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-    return o.reshape(b, hq, d).astype(q.dtype)
+    return o.reshape(b, hq, dv).astype(q.dtype)
 
 
 def fill_rows(x, start, poison):
@@ -118,12 +123,12 @@ def dispatch_steps(write_kv_fn, prefill_fn, decode_fn, q, k, v, k_pages, v_pages
     if lengths.shape[0] != b:
         raise ValueError(f"lengths must have B={b} entries (len(cu_seqlens) - 1), "
                          f"got {lengths.shape[0]}")
-    decode_lengths = jnp.where(is_decode, lengths.astype(jnp.int32), 0)
+    decode_lengths = jnp.where(is_decode, _ac.index_int32(lengths), 0)
     _ac.decode_args(jax.ShapeDtypeStruct((b,) + q.shape[1:], q.dtype), k_pages, v_pages,
                     page_table, decode_lengths, scale)
     _ac.decode_split_tokens(split_tokens, page_table.shape[1] * k_pages.shape[1])
     k_pages, v_pages = write_kv_fn(k_pages, v_pages, k, v, slot_mapping)
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = _ac.index_int32(cu_seqlens)
     prefill_out = prefill_fn(q, k, v, cu)
     if n == 0 or b == 0:  # no query token, or no sequence: prefill's zeros
         return prefill_out, k_pages, v_pages

@@ -119,6 +119,34 @@ def test_dispatch_bad_decode_sequence(rng):
     assert_close(out[7], want[7], jnp.float32, "the good decode row")
 
 
+def test_dispatch_int64_values_past_int32_are_out_of_range_under_jit(rng):
+    """With x64 on, int64 index arguments past int32 are out of range under
+    jit, as the int32 call with those meanings gives: a decode length clamped
+    to the capacity (not wrapped to 20), a slot skipped (not wrapped onto the
+    token's own slot). Eagerly they raise."""
+    with jax.enable_x64(True):
+        kinds = [("decode", 20), ("prefill", 5), ("decode", 9)]
+        args, _ = mixed_batch(rng, kinds, jnp.float32)
+        q, k, v, kp, vp, table, ln, cu, dec, slots = args
+        capacity = table.shape[1] * kp.shape[1]
+        ln32, sl32 = np.asarray(ln).copy(), np.asarray(slots).copy()
+        ln64, sl64 = ln32.astype(np.int64), sl32.astype(np.int64)
+        ln64[0] += 2**32      # int32 wrap: 20
+        ln32[0] = capacity
+        sl64[2] += 2**32      # int32 wrap: its own slot
+        sl32[2] = -1
+        as64 = (q, k, v, kp, vp, table.astype(jnp.int64), jnp.asarray(ln64),
+                cu.astype(jnp.int64), dec, jnp.asarray(sl64))
+        as32 = (q, k, v, kp, vp, table, jnp.asarray(ln32), cu, dec, jnp.asarray(sl32))
+        assert capacity != 20
+        for f in (attention.attention_dispatch, attention_reference.attention_dispatch):
+            for got, want, what in zip(jax.jit(f)(*as64), jax.jit(f)(*as32),
+                                       ("out", "k_pages", "v_pages")):
+                assert_equal(got, want, f"{f.__module__} {what}: int64 vs int32 meaning")
+        with pytest.raises(ValueError):
+            attention.attention_dispatch(*as64)
+
+
 @pytest.mark.parametrize("case, exc, match", [
     ("dec_dtype", TypeError, "is_decode must be a bool array"),
     ("dec_len", ValueError, "is_decode must have B=2"),

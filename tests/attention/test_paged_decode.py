@@ -1,8 +1,9 @@
 """jax_moe.attention.paged_decode_attention (FFI, CPU + CUDA) against its jnp
 twin (attention_reference) and a plain numpy float64 dense attention over the
-same tokens: GQA, page sizes, splits of long sequences, empty sequences, bad
-values under jit, write_kv then decode, argument errors; (gpu) CUDA against
-the CPU handler; small edge cases for compute-sanitizer."""
+same tokens: GQA, page sizes, head dims (small ones, V's differing from K's),
+splits of long sequences, empty sequences, bad values under jit, 64-bit
+index values, write_kv then decode, argument errors; (gpu) CUDA against the
+CPU handler; small edge cases for compute-sanitizer."""
 
 import functools
 
@@ -30,6 +31,42 @@ def test_decode_matches_reference_and_numpy(rng, dtype, page_size, gqa):
     kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype)
     q = normal(rng, (len(lengths), hkv * gqa, d), dtype)
     check_decode(q, kp, vp, table, ln, dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 4, 12])
+def test_decode_small_head_dims(rng, dtype, d, gqa):
+    """Head dims 16 and 32 (a small model's, which prefill_attention takes):
+    on the GPU they run on the 64-wide kernels with rows zero-filled."""
+    hkv = 2 if gqa < 8 else 1
+    lengths = [1, 17, 3 * 64 + 5, 0]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, hkv, d, dtype)
+    q = normal(rng, (len(lengths), hkv * gqa, d), dtype)
+    check_decode(q, kp, vp, table, ln, dtype)
+    out = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=64))(
+        q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, "several splits vs reference")
+
+
+# (Dk, Dv): DeepSeek's 192 / 128, V narrower than K within one compiled dim
+# and across, V wider than K, and dims that are multiples of 8 only.
+HEAD_DIM_PAIRS = [(192, 128), (128, 64), (256, 16), (64, 32), (32, 64), (40, 24), (8, 8)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dk,dv", HEAD_DIM_PAIRS, ids=[f"{a}x{b}" for a, b in HEAD_DIM_PAIRS])
+def test_decode_v_head_dim_differs(rng, dtype, dk, dv):
+    """v_pages with its own head dim Dv: the output is (B, Hq, Dv), scale
+    defaults to 1/sqrt(Dk)."""
+    lengths = [1, 33, 2 * 64 + 7]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, dk, dtype, dv=dv)
+    q = normal(rng, (len(lengths), 8, dk), dtype)
+    out = check_decode(q, kp, vp, table, ln, dtype)
+    assert out.shape == (len(lengths), 8, dv)
+    f = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=64))
+    assert_close(f(q, kp, vp, table, ln), decode_np(q, kp, vp, table, ln, 1 / np.sqrt(dk)), dtype,
+                 "several splits vs numpy")
 
 
 def test_decode_shared_pages_and_scale(rng):
@@ -137,23 +174,24 @@ def test_decode_is_deterministic(rng):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
-def test_write_kv_then_decode_is_dense_attention(rng, dtype):
+@pytest.mark.parametrize("d,dv", [(64, 64), (16, 16), (192, 128)], ids=["64", "16", "192x128"])
+def test_write_kv_then_decode_is_dense_attention(rng, dtype, d, dv):
     """A prefill of each sequence's tokens through write_kv (pages in random
     order, padded slot_mapping), then a decode step: dense attention over the
     written tokens."""
-    page_size, hkv, gqa, d = 16, 2, 4, 64
+    page_size, hkv, gqa = 16, 2, 4
     lengths = [1, 16, 37]
-    kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype)
+    kp, vp, table, ln = make_cache(rng, lengths, page_size, hkv, d, dtype, dv=dv)
     kp, vp = jnp.zeros_like(kp), jnp.zeros_like(vp)
     toks_k = [normal(rng, (n, hkv, d), dtype) for n in lengths]
-    toks_v = [normal(rng, (n, hkv, d), dtype) for n in lengths]
+    toks_v = [normal(rng, (n, hkv, dv), dtype) for n in lengths]
     tbl = np.asarray(table)
     slots = [tbl[b, t // page_size] * page_size + t % page_size
              for b, n in enumerate(lengths) for t in range(n)]
     pad = 5
     slot_mapping = jnp.asarray(np.array(slots + [-1] * pad, np.int32))
     k = jnp.concatenate(toks_k + [jnp.zeros((pad, hkv, d), dtype)])
-    v = jnp.concatenate(toks_v + [jnp.zeros((pad, hkv, d), dtype)])
+    v = jnp.concatenate(toks_v + [jnp.zeros((pad, hkv, dv), dtype)])
     step = jax.jit(attention.write_kv, donate_argnums=(0, 1))
     kp, vp = step(kp, vp, k, v, slot_mapping)
     q = normal(rng, (3, hkv * gqa, d), dtype)
@@ -169,7 +207,10 @@ def test_write_kv_then_decode_is_dense_attention(rng, dtype):
 
 @pytest.mark.parametrize("case, exc, match", [
     ("heads", ValueError, "multiple of k_pages' kv heads"),
-    ("head_dim", ValueError, "head dim must be one of"),
+    ("head_dim", ValueError, "q's head dim must be a multiple of 8 in"),
+    ("head_dim_big", ValueError, "q's head dim must be a multiple of 8 in"),
+    ("v_head_dim", ValueError, "v_pages' head dim must be a multiple of 8 in"),
+    ("v_heads", ValueError, "v_pages must be"),
     ("dtype", TypeError, "k_pages"),
     ("vshape", ValueError, "v_pages"),
     ("table_rows", ValueError, "page_table"),
@@ -192,7 +233,13 @@ def test_decode_errors(case, exc, match):
     if case == "heads":
         q = jnp.zeros((2, 3, 64))
     elif case == "head_dim":
-        q, kp, vp, pt, ln = decode_inputs(d=96)
+        q, kp, vp, pt, ln = decode_inputs(d=20)
+    elif case == "head_dim_big":
+        q, kp, vp, pt, ln = decode_inputs(d=264)
+    elif case == "v_head_dim":
+        q, kp, vp, pt, ln = decode_inputs(dv=12)
+    elif case == "v_heads":
+        vp = jnp.zeros((4, 16, 1, 64))
     elif case == "dtype":
         kp = vp = kp.astype(jnp.bfloat16)
     elif case == "vshape":
@@ -235,20 +282,26 @@ def test_decode_unused_table_entries_may_be_garbage():
 
 # ---- GPU: the CUDA handlers against the CPU ones ----------------------------
 
+# Every compiled head dim (64, 128, 256), the smaller ones run on them, and
+# V's head dim differing from K's.
+GPU_DIMS = [(64, 64), (128, 128), (256, 256), (16, 16), (32, 32), (192, 128), (64, 32),
+            (32, 128), (40, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_gpu_matches_cpu(rng, dtype, d):
+@pytest.mark.parametrize("d,dv", GPU_DIMS, ids=[f"{a}x{b}" for a, b in GPU_DIMS])
+def test_gpu_matches_cpu(rng, dtype, d, dv):
     st = 256
     lengths = [1, 16, 2 * st + 5, 3 * st]
-    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, d, dtype)
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 2, d, dtype, dv=dv)
     q = normal(rng, (4, 8, d), dtype)
     dec = jax.jit(attention.paged_decode_attention)
     gpu = dec(q, kp, vp, table, ln)
     cpu = on_cpu(dec, q, kp, vp, table, ln)
     assert_close(gpu, cpu, dtype, "decode cuda vs cpu")
     assert_equal(gpu, dec(q, kp, vp, table, ln), "decode cuda run to run")
-    k, v = normal(rng, (7, 2, d), dtype), normal(rng, (7, 2, d), dtype)
+    k, v = normal(rng, (7, 2, d), dtype), normal(rng, (7, 2, dv), dtype)
     slots = jnp.asarray([0, 3, -1, 40, 10**6, 17, -2], jnp.int32)
     wkv = jax.jit(attention.write_kv)
     for g, c, what in zip(wkv(kp, vp, k, v, slots), on_cpu(wkv, kp, vp, k, v, slots), "kv"):
@@ -277,6 +330,28 @@ def test_sanitize_decode_edges(rng, case):
     assert_equal(nk, ref_write_kv(kp, vp, k, k, sl)[0], "write_kv edge")
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("d,dv", [(16, 16), (32, 32), (192, 128), (8, 64), (64, 8)],
+                         ids=["16", "32", "192x128", "8x64", "64x8"])
+def test_sanitize_decode_head_dims(rng, dtype, d, dv):
+    """Head dims below the compiled 64 / 128 / 256 and V's differing from K's,
+    on a cache without spare pages (the last slot is the buffer's end): the
+    zero-filled rows are never read from memory, the outputs past Dv never
+    written. Two splits, one sequence empty."""
+    lengths = [64 + 9, 0, 16]
+    kp, vp, table, ln = make_cache(rng, lengths, 16, 1, d, dtype, extra_pages=0, dv=dv)
+    q = normal(rng, (len(lengths), 12, d), dtype)
+    out = jax.jit(functools.partial(attention.paged_decode_attention, split_tokens=64))(
+        q, kp, vp, table, ln)
+    assert_close(out, ref_decode(q, kp, vp, table, ln), dtype, "decode vs reference")
+    k, v = normal(rng, (2, 1, d), dtype), normal(rng, (2, 1, dv), dtype)
+    sl = jnp.asarray([kp.shape[0] * 16 - 1, kp.shape[0] * 16], jnp.int32)  # last slot, one past
+    got = jax.jit(attention.write_kv)(kp, vp, k, v, sl)
+    for g, w, what in zip(got, ref_write_kv(kp, vp, k, v, sl), ("k_pages", "v_pages")):
+        assert_equal(g, w, f"write_kv {what}")
+
+
 def test_decode_rejects_caches_past_int32_slots():
     """The kernels index cache slots with int32: a cache of 2**31 slots or
     more is rejected at trace time (shapes only, nothing allocated)."""
@@ -288,3 +363,44 @@ def test_decode_rejects_caches_past_int32_slots():
         jax.eval_shape(attention.paged_decode_attention, q, kp, kp, pt, ln)
     ok = jax.ShapeDtypeStruct(((1 << 27) - 1, 16, 1, 64), jnp.bfloat16)
     assert jax.eval_shape(attention.paged_decode_attention, q, ok, ok, pt, ln).shape == (1, 2, 64)
+
+
+# ---- 64-bit index values (jax_enable_x64) ----------------------------------
+
+def test_decode_int64_values_past_int32_are_out_of_range_under_jit(rng):
+    """With x64 on, page ids and lengths past int32 are out of range under
+    jit (the page skipped, the length clamped to the capacity), as the int32
+    call with those meanings gives; never wrapped onto page 1 or length 5."""
+    with jax.enable_x64(True):
+        kp, vp, table, _ = make_cache(rng, [40, 20, 30], 16, 2, 64, jnp.float32, max_pages=3)
+        q = normal(rng, (3, 4, 64), jnp.float32)
+        t32 = np.asarray(table).astype(np.int32)
+        t64 = t32.astype(np.int64)
+        t64[0, 1] = 2**32 + 1                  # int32 wrap: page 1
+        t32[0, 1] = -1
+        ln64 = np.array([40, 2**32 + 5, 30], np.int64)  # int32 wrap: 5
+        ln32 = np.array([40, 48, 30], np.int32)         # the capacity, 3 pages of 16
+        args64 = (q, kp, vp, jnp.asarray(t64, jnp.int64), jnp.asarray(ln64, jnp.int64))
+        args32 = (q, kp, vp, jnp.asarray(t32), jnp.asarray(ln32))
+        want = decode_np(*args32, 1 / 8)
+        for f, name in ((attention.paged_decode_attention, "decode"),
+                        (attention_reference.paged_decode_attention, "reference")):
+            got = jax.jit(f)(*args64)
+            assert_equal(got, jax.jit(f)(*args32), f"{name}: int64 vs int32 meaning")
+            assert_close(got, want, jnp.float32, f"{name} vs numpy")
+        with pytest.raises(ValueError, match="lengths must lie in"):
+            attention.paged_decode_attention(*args64)
+
+
+def test_decode_uint32_lengths_past_int32_are_clamped_under_jit(rng):
+    """uint32 lengths past int32 (no x64 needed) are clamped to the capacity
+    under jit, not wrapped to negative (no token)."""
+    kp, vp, table, _ = make_cache(rng, [40, 20], 16, 2, 64, jnp.float32, max_pages=3)
+    q = normal(rng, (2, 4, 64), jnp.float32)
+    big = jnp.asarray([2**32 - 1, 20], jnp.uint32)
+    meaning = jnp.asarray([48, 20], jnp.int32)  # the capacity, 3 pages of 16
+    for f in (attention.paged_decode_attention, attention_reference.paged_decode_attention):
+        got = jax.jit(f)(q, kp, vp, table, big)
+        assert_equal(got, jax.jit(f)(q, kp, vp, table, meaning), f"{f.__module__}")
+    assert_close(got, decode_np(q, kp, vp, table, meaning, 1 / 8), jnp.float32,
+                 "vs numpy")

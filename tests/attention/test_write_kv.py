@@ -1,7 +1,8 @@
 """jax_moe.attention.write_kv (FFI, CPU + CUDA): the new tokens' k and v
 written into the paged cache at slot_mapping, against its jnp twin
-(attention_reference.write_kv): padding and out-of-range slots, in place with
-donation, argument errors."""
+(attention_reference.write_kv): padding and out-of-range slots, V's head dim
+differing from K's, 64-bit slots past int32, in place with donation,
+argument errors."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from attention_cases import ref_write_kv
 from common import DTYPE_IDS, FLOAT_DTYPES, assert_equal, normal
-from jax_moe import attention
+from jax_moe import attention, attention_reference
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
@@ -46,6 +47,45 @@ def test_write_kv_skips_out_of_range_under_jit(rng):
     assert_equal(np.asarray(got[0]).reshape(-1, 1, 64)[5], np.asarray(k)[0], "slot 5")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 16), (16, 64), (8, 3)],
+                         ids=["192x128", "64x16", "16x64", "8x3"])
+def test_write_kv_v_head_dim_differs(rng, dtype, d, dv):
+    """v_pages (P, page_size, Hkv, Dv) and v (N, Hkv, Dv) with Dv != Dk; rows
+    of different byte widths (8x3: V rows of 6 or 12 bytes)."""
+    pages, ps, hkv, n = 5, 16, 2, 12
+    kp, vp = normal(rng, (pages, ps, hkv, d), dtype), normal(rng, (pages, ps, hkv, dv), dtype)
+    k, v = normal(rng, (n, hkv, d), dtype), normal(rng, (n, hkv, dv), dtype)
+    s = rng.choice(pages * ps, size=n, replace=False).astype(np.int32)
+    s[:2] = [-1, pages * ps - 1]  # padding, the last slot
+    slots = jnp.asarray(s)
+    got = jax.jit(attention.write_kv)(kp, vp, k, v, slots)
+    for g, w, what in zip(got, ref_write_kv(kp, vp, k, v, slots), ("k_pages", "v_pages")):
+        assert_equal(g, w, what)
+    for cache, new, old in ((got[0], k, kp), (got[1], v, vp)):
+        want = np.asarray(old).reshape(pages * ps, hkv, -1).copy()
+        want[s[s >= 0]] = np.asarray(new)[s >= 0]
+        assert_equal(np.asarray(cache).reshape(want.shape), want, "written rows, the rest kept")
+
+
+def test_write_kv_int64_slots_past_int32_are_skipped_under_jit(rng):
+    """With x64 on, int64 slots past int32 are out of range: skipped under jit
+    (never wrapped onto slot 5 or 7), ValueError eagerly."""
+    with jax.enable_x64(True):
+        kp, vp = normal(rng, (3, 16, 1, 64), jnp.float32), normal(rng, (3, 16, 1, 64), jnp.float32)
+        k, v = normal(rng, (4, 1, 64), jnp.float32), normal(rng, (4, 1, 64), jnp.float32)
+        slots = jnp.asarray([2**32 + 5, 3, -(2**32) + 7, 2**31], jnp.int64)
+        for f, name in ((attention.write_kv, "write_kv"),
+                        (attention_reference.write_kv, "reference")):
+            nk, nv = jax.jit(f)(kp, vp, k, v, slots)
+            for got, old, new, what in ((nk, kp, k, "k_pages"), (nv, vp, v, "v_pages")):
+                want = np.asarray(old).reshape(48, 1, -1).copy()
+                want[3] = np.asarray(new)[1]  # only slot 3 is in range
+                assert_equal(np.asarray(got).reshape(want.shape), want, f"{name} {what}")
+        with pytest.raises(ValueError, match="slot_mapping must lie in"):
+            attention.write_kv(kp, vp, k, v, slots)
+
+
 def test_write_kv_in_place_with_donation(rng):
     kp, vp = normal(rng, (8, 16, 2, 64), jnp.float32), normal(rng, (8, 16, 2, 64), jnp.float32)
     k, v = normal(rng, (3, 2, 64), jnp.float32), normal(rng, (3, 2, 64), jnp.float32)
@@ -69,7 +109,9 @@ def test_write_kv_in_place_with_donation(rng):
     ("slot_dtype", TypeError, "slot_mapping"),
     ("k_shape", ValueError, "k must be"),
     ("k_dtype", TypeError, "k "),
-    ("v_shape", ValueError, "v must have"),
+    ("v_shape", ValueError, "v must be"),
+    ("v_dim", ValueError, "v must be"),
+    ("v_pages_heads", ValueError, "v_pages must be"),
     ("cache_rank", ValueError, "k_pages must have rank 4"),
 ])
 def test_write_kv_errors(case, exc, match):
@@ -91,6 +133,10 @@ def test_write_kv_errors(case, exc, match):
         k = k.astype(jnp.bfloat16)
     elif case == "v_shape":
         v = jnp.zeros((2, 2, 64))
+    elif case == "v_dim":  # v_pages' head dim is 64
+        v = jnp.zeros((3, 2, 32))
+    elif case == "v_pages_heads":
+        vp = jnp.zeros((2, 16, 1, 64))
     elif case == "cache_rank":
         kp = jnp.zeros((32, 2, 64))
     with pytest.raises(exc, match=match):

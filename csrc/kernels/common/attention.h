@@ -21,18 +21,31 @@ inline int64_t DecodeNumSplits(int64_t max_tokens, int64_t split_tokens) {
   return s < 1 ? 1 : s;
 }
 
+// Head dims of paged decode: K's (= q's) and V's (the output's) may differ;
+// each is a multiple of kDecodeHeadDimUnit (a 16-byte chunk of bf16 / f16,
+// two of f32) up to kDecodeMaxHeadDim. The CUDA kernels are compiled for
+// 64, 128 and 256 and run smaller dims on the next larger one.
+constexpr int64_t kDecodeHeadDimUnit = 8;
+constexpr int64_t kDecodeMaxHeadDim = 256;
+
+inline bool DecodeHeadDimOk(int64_t d) {
+  return d >= kDecodeHeadDimUnit && d <= kDecodeMaxHeadDim && d % kDecodeHeadDimUnit == 0;
+}
+
 // write_kv: caches of num_pages pages of page_size slots (num_slots in all),
-// a slot holding row_elems = Hkv * D elements; n new rows.
+// a slot holding k_row_elems = Hkv * Dk elements of K and v_row_elems = Hkv *
+// Dv of V; n new rows.
 struct WriteKvDims {
-  int64_t num_pages, page_size, row_elems, n, num_slots;
+  int64_t num_pages, page_size, k_row_elems, v_row_elems, n, num_slots;
 };
 
-// paged_decode: q (batch, hq, head_dim), caches (num_pages, page_size, hkv,
-// head_dim), page_table (batch, max_pages); group = hq / hkv query heads per
-// kv head, max_tokens = max_pages * page_size, and num_splits splits of
+// paged_decode: q (batch, hq, k_dim), k_pages (num_pages, page_size, hkv,
+// k_dim), v_pages (num_pages, page_size, hkv, v_dim), page_table (batch,
+// max_pages), output (batch, hq, v_dim); group = hq / hkv query heads per kv
+// head, max_tokens = max_pages * page_size, and num_splits splits of
 // split_tokens tokens.
 struct DecodeDims {
-  int64_t batch, hq, hkv, group, head_dim, num_pages, page_size, max_pages, max_tokens,
+  int64_t batch, hq, hkv, group, k_dim, v_dim, num_pages, page_size, max_pages, max_tokens,
       split_tokens, num_splits;
 };
 

@@ -22,9 +22,9 @@ void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const i
   const T* kc = static_cast<const T*>(k_raw);
   const T* vc = static_cast<const T*>(v_raw);
   T* out = static_cast<T*>(out_raw);
-  const int64_t D = d.head_dim, ps = d.page_size;
-  const int64_t row = d.hkv * D;  // elements per cache slot
-  std::vector<float> scores(d.max_tokens), qf(D), acc(D);
+  const int64_t D = d.k_dim, Dv = d.v_dim, ps = d.page_size;
+  const int64_t krow = d.hkv * D, vrow = d.hkv * Dv;  // elements per cache slot
+  std::vector<float> scores(d.max_tokens), qf(D), acc(Dv);
   std::vector<int64_t> slot(d.max_tokens);
   for (int64_t b = 0; b < d.batch; ++b) {
     const int64_t len = std::clamp<int64_t>(lengths[b], 0, d.max_tokens);
@@ -40,9 +40,9 @@ void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const i
       for (int64_t e = 0; e < D; ++e) qf[e] = S::Load(qrow[e]) * scale;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t i = 0; i < n; ++i) {
-        const T* krow = kc + slot[i] * row + kvh * D;
+        const T* kr = kc + slot[i] * krow + kvh * D;
         float s = 0.f;
-        for (int64_t e = 0; e < D; ++e) s += qf[e] * S::Load(krow[e]);
+        for (int64_t e = 0; e < D; ++e) s += qf[e] * S::Load(kr[e]);
         scores[i] = s;
         m = std::max(m, s);
       }
@@ -51,12 +51,12 @@ void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const i
       for (int64_t i = 0; i < n; ++i) {
         const float p = std::exp(scores[i] - m);
         l += p;
-        const T* vrow = vc + slot[i] * row + kvh * D;
-        for (int64_t e = 0; e < D; ++e) acc[e] += p * S::Load(vrow[e]);
+        const T* vr = vc + slot[i] * vrow + kvh * Dv;
+        for (int64_t e = 0; e < Dv; ++e) acc[e] += p * S::Load(vr[e]);
       }
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* orow = out + (b * d.hq + h) * D;
-      for (int64_t e = 0; e < D; ++e) orow[e] = S::Store(acc[e] * inv);
+      T* orow = out + (b * d.hq + h) * Dv;
+      for (int64_t e = 0; e < Dv; ++e) orow[e] = S::Store(acc[e] * inv);
     }
   }
 }
@@ -64,17 +64,18 @@ void DecodeRows(const void* q_raw, const void* k_raw, const void* v_raw, const i
 }  // namespace
 
 void WriteKvSlots(const void* k, const void* v, const int32_t* slots, int64_t n,
-                  int64_t row_bytes, int64_t num_slots, void* k_out, void* v_out) {
+                  int64_t k_row_bytes, int64_t v_row_bytes, int64_t num_slots, void* k_out,
+                  void* v_out) {
   char* ko = static_cast<char*>(k_out);
   char* vo = static_cast<char*>(v_out);
   const char* ks = static_cast<const char*>(k);
   const char* vs = static_cast<const char*>(v);
-  const size_t rb = static_cast<size_t>(row_bytes);
+  const size_t kb = static_cast<size_t>(k_row_bytes), vb = static_cast<size_t>(v_row_bytes);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = slots[i];
     if (s < 0 || s >= num_slots) continue;
-    std::memcpy(ko + s * rb, ks + i * rb, rb);
-    std::memcpy(vo + s * rb, vs + i * rb, rb);
+    std::memcpy(ko + s * kb, ks + i * kb, kb);
+    std::memcpy(vo + s * vb, vs + i * vb, vb);
   }
 }
 

@@ -10,14 +10,15 @@
 
 namespace jax_moe {
 
-// Row i of k and of v (n rows of row_bytes bytes) into slot slots[i] of
-// k_out / v_out (num_slots slots of row_bytes); slots outside [0, num_slots)
-// are skipped (negative = padding). Duplicate slots: the last token wins
-// (Python rejects them eagerly).
+// Row i of k (n rows of k_row_bytes bytes) and of v (v_row_bytes) into slot
+// slots[i] of k_out / v_out (num_slots slots of those rows); slots outside
+// [0, num_slots) are skipped (negative = padding). Duplicate slots: the last
+// token wins (Python rejects them eagerly).
 void WriteKvSlots(const void* k, const void* v, const int32_t* slots, int64_t n,
-                  int64_t row_bytes, int64_t num_slots, void* k_out, void* v_out);
+                  int64_t k_row_bytes, int64_t v_row_bytes, int64_t num_slots, void* k_out,
+                  void* v_out);
 
-// out[b, h] = softmax(scale * q[b, h] . K[b, :L]) V[b, :L] over the tokens of
+// out[b, h] (v_dim) = softmax(scale * q[b, h] . K[b, :L]) V[b, :L] over the tokens of
 // sequence b, L = clamp(lengths[b], 0, max_pages * page_size); tokens on a
 // page id outside [0, num_pages) are skipped (masked out). No valid token:
 // the output is 0. Scores, softmax and accumulation in f32, in token order.

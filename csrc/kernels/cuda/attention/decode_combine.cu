@@ -22,8 +22,10 @@ constexpr int kCombineBatch = 8;  // partial outputs in flight per lane (divides
 // grid (ceil(rows / kCombineWarps)), kCombineThreads threads; warp w of the
 // block merges row bh = batch * hq + head (bh < rows): out = sum_s w_s o_s /
 // sum_s w_s l_s over the splits holding tokens, w_s = exp(m_s - max_s m_s);
-// no valid token: 0. Lane l holds elements l * D / 32 .. of every partial
-// output and adds the splits in split order; the weights of 32 splits are
+// no valid token: 0. Compiled for head dim D, it serves V head dims dv <= D
+// (multiples of 8): lane l holds elements l * D / 32 .. of every partial
+// output (rows of dv) while they lie below dv, and adds the splits in split
+// order; the weights of 32 splits are
 // computed one per lane and broadcast by shuffle. No shared memory and no
 // block barrier: a length, the stats, then the partial outputs
 // kCombineBatch splits at a time. Sums run in a fixed order (bitwise
@@ -32,7 +34,7 @@ template <DType DT, int D>
 __global__ void __launch_bounds__(kCombineThreads)
     DecodeCombineKernel(const float* __restrict__ part_out, const float* __restrict__ part_stats,
                         const int32_t* __restrict__ lengths, int64_t hq, int64_t rows,
-                        int64_t max_tokens, int64_t num_splits, int64_t split,
+                        int64_t max_tokens, int64_t num_splits, int64_t split, int dv,
                         typename DevScalar<DT>::T* __restrict__ out) {
   using S = DevScalar<DT>;
   constexpr int kE = D / 32;  // elements per lane
@@ -45,7 +47,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   int64_t used = (len + split - 1) / split;  // splits holding tokens
   if (used > num_splits) used = num_splits;
   const float* st = part_stats + bh * num_splits * 2;
-  const float* po = part_out + bh * num_splits * D + lane * kE;
+  // kE (2, 4 or 8) divides dv (a multiple of 8): a lane's elements lie all
+  // below dv or all past it. Lanes past it still take part in the shuffles.
+  const bool mine = lane * kE < dv;
+  const float* po = part_out + bh * num_splits * dv + (mine ? lane * kE : 0);
 
   float mx = -INFINITY;
   for (int64_t s = lane; s < used; s += 32) mx = fmaxf(mx, st[2 * s]);
@@ -69,8 +74,8 @@ __global__ void __launch_bounds__(kCombineThreads)
       float x[kCombineBatch][kE];
 #pragma unroll
       for (int u = 0; u < kCombineBatch; ++u) {
-        const float* row = po + (c0 + j0 + u) * D;
-        const bool live = j0 + u < n;
+        const float* row = po + (c0 + j0 + u) * dv;
+        const bool live = mine && j0 + u < n;
         if constexpr (kE == 2) {
           const float2 v = live ? *reinterpret_cast<const float2*>(row) : make_float2(0.f, 0.f);
           x[u][0] = v.x;
@@ -97,7 +102,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-  auto* dst = out + bh * D + lane * kE;
+  if (!mine) return;
+  auto* dst = out + bh * dv + lane * kE;
 #pragma unroll
   for (int e = 0; e < kE; ++e) dst[e] = S::Store(den > 0.f ? acc[e] / den : 0.f);
 }
@@ -113,14 +119,14 @@ cudaError_t LaunchCombine(cudaStream_t stream, const DecodeDims& d, const float*
   return LaunchKernel(DecodeCombineKernel<DT, D>, CeilDiv(out_rows, kCombineWarps),
                       kCombineThreads, 0, stream, allow_pdl && DeviceMajor() >= 9, part_out,
                       part_stats, lengths, d.hq, out_rows, d.max_tokens, d.num_splits,
-                      d.split_tokens, static_cast<T*>(out));
+                      d.split_tokens, static_cast<int>(d.v_dim), static_cast<T*>(out));
 }
 
 template <DType DT>
 cudaError_t DispatchCombine(cudaStream_t stream, const DecodeDims& d, const float* part_out,
                             const float* part_stats, const int32_t* lengths, void* out,
                             bool allow_pdl) {
-  switch (d.head_dim) {
+  switch (DecodeTileDim(d.v_dim)) {
     case 64:
       return LaunchCombine<DT, 64>(stream, d, part_out, part_stats, lengths, out, allow_pdl);
     case 128:

@@ -107,16 +107,26 @@ __device__ __forceinline__ int WarpTiles(int ntok, int rows, int warp) {
   return ntiles > warp ? (ntiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
 }
 
+// Where this block's K and V rows lie in the caches: row u = slot * hkv +
+// kvh of k_pages (v_pages) starts at element u * dk (u * dv); k_chunks
+// (v_chunks) 16-byte chunks of it are K's (V's).
+struct CacheRows {
+  int64_t hkv, kvh;
+  int dk, dv, k_chunks, v_chunks;
+};
+
 // The split kernels' per-warp cp.async ring: copies this warp's i-th tile
 // (tile warp + i * kDecodeWarps of the split: kRows token rows of kChunks
 // 16-byte chunks of this kv head's K and V) into stage i % kStages of
 // my_ring (kVecs chunks per stage and tensor, K then V), chunk c of row r at
-// pos(r, c). Always commits a group (empty past the last tile) so that the
-// caller's wait counts uniformly. Skipped tokens are zero-filled without
-// reading memory.
+// pos(r, c). kChunks covers the kernel's compiled head dim; chunks past a
+// row's own (rows.k_chunks, rows.v_chunks: head dims smaller than the
+// compiled one) are zero-filled, as are skipped tokens, without reading
+// memory. Always commits a group (empty past the last tile) so that the
+// caller's wait counts uniformly.
 template <int kRows, int kChunks, int kStages, int kVecs, typename T, typename Pos>
 __device__ __forceinline__ void IssueTile(int i, int my_tiles, int warp, int lane, int ntok,
-                                          const int32_t* slot_of, int64_t row, int64_t col,
+                                          const int32_t* slot_of, const CacheRows& rows,
                                           const T* __restrict__ kc, const T* __restrict__ vc,
                                           uint4* my_ring, Pos pos) {
   static_assert(kRows * kChunks % 32 == 0, "whole chunks per lane");
@@ -130,10 +140,13 @@ __device__ __forceinline__ void IssueTile(int i, int my_tiles, int warp, int lan
       const int r = v / kChunks, c = v % kChunks;
       const int tok = base + r;
       const int64_t slot = tok < ntok ? slot_of[tok] : -1;
-      const int64_t off = slot >= 0 ? slot * row + col + c * kVec : 0;
-      const int bytes = slot >= 0 ? 16 : 0;
-      CpAsync16Zfill(dk + pos(r, c), kc + off, bytes);
-      CpAsync16Zfill(dk + kVecs + pos(r, c), vc + off, bytes);
+      const int64_t u = slot * rows.hkv + rows.kvh;
+      const bool kin = slot >= 0 && c < rows.k_chunks;
+      const bool vin = slot >= 0 && c < rows.v_chunks;
+      const int64_t koff = kin ? u * rows.dk + c * kVec : 0;
+      const int64_t voff = vin ? u * rows.dv + c * kVec : 0;
+      CpAsync16Zfill(dk + pos(r, c), kc + koff, kin ? 16 : 0);
+      CpAsync16Zfill(dk + kVecs + pos(r, c), vc + voff, vin ? 16 : 0);
     }
   }
   CpAsyncCommit();
@@ -142,14 +155,16 @@ __device__ __forceinline__ void IssueTile(int i, int my_tiles, int warp, int lan
 // Merges the warps' softmax states, staged in shared memory as red[warp][row][D]
 // (unnormalised outputs), wm[warp][row] (running max; base 2 when kBase2) and
 // wsum[warp][row] (running sum), in warp order, and writes the split's partial
-// output and (max in natural log, sum) for the block's ng query heads.
+// output (its first dv of the D elements; part_out rows of dv) and (max in
+// natural log, sum) for the block's ng query heads.
 template <int kRows, int D, bool kBase2>
 __device__ __forceinline__ void StoreSplit(const float* red, const float* wm, const float* wsum,
                                            const SplitBlock& blk, int64_t hq, int64_t num_splits,
-                                           float* __restrict__ part_out,
+                                           int dv, float* __restrict__ part_out,
                                            float* __restrict__ part_stats) {
   for (int idx = threadIdx.x; idx < blk.ng * D; idx += kDecodeThreads) {
     const int r = idx / D, e = idx % D;
+    if (e >= dv) continue;  // past V's head dim: zeros, not stored
     float mx = wm[r];
 #pragma unroll
     for (int w = 1; w < kDecodeWarps; ++w) mx = fmaxf(mx, wm[w * kRows + r]);
@@ -163,7 +178,7 @@ __device__ __forceinline__ void StoreSplit(const float* red, const float* wm, co
       sum += a * wsum[w * kRows + r];
     }
     const int64_t part = (blk.b * hq + blk.h0 + r) * num_splits + blk.sp;
-    part_out[part * D + e] = acc;
+    part_out[part * dv + e] = acc;
     if (e == 0) {
       part_stats[part * 2] = kBase2 ? mx * 0.6931471805599453f : mx;  // the combine's base e
       part_stats[part * 2 + 1] = sum;
@@ -171,9 +186,14 @@ __device__ __forceinline__ void StoreSplit(const float* red, const float* wm, co
   }
 }
 
+// The head dim a decode kernel is compiled for that serves `dim` (<= 256):
+// 64, 128 or 256. Smaller dims run zero-filled (see IssueTile).
+inline int DecodeTileDim(int64_t dim) { return dim <= 64 ? 64 : (dim <= 128 ? 128 : 256); }
+
 // Launches a split kernel on a grid of (batch x kv heads x chunks of `rows`
 // query heads, splits) with ring_bytes + 4 bytes per split token of dynamic
-// shared memory (opted in up to max_smem).
+// shared memory (opted in up to max_smem); the kernel's compiled head dim
+// covers d.k_dim and d.v_dim.
 template <DType DT, auto Kernel>
 cudaError_t LaunchSplit(cudaStream_t stream, const DecodeDims& d, const void* q, const void* kp,
                         const void* vp, const int32_t* table, const int32_t* lengths, float scale,
@@ -196,7 +216,8 @@ cudaError_t LaunchSplit(cudaStream_t stream, const DecodeDims& d, const void* q,
   Kernel<<<grid, kDecodeThreads, smem, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(kp), static_cast<const T*>(vp), table,
       lengths, d.hq, d.hkv, d.group, head_chunks, d.num_pages, d.page_size, d.max_pages,
-      d.num_splits, split, scale, part_out, part_stats);
+      d.num_splits, split, static_cast<int>(d.k_dim), static_cast<int>(d.v_dim), scale, part_out,
+      part_stats);
   return cudaGetLastError();
 }
 

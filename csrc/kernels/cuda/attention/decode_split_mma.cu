@@ -21,7 +21,9 @@ namespace {
 // accumulator layout of S^T to the B operand layout through 256 bytes of
 // shared memory per warp. K/V tiles stream through a per-warp cp.async ring,
 // rows stored with 16-byte chunks XOR-swizzled by row so that ldmatrix is
-// free of bank conflicts.
+// free of bank conflicts. Compiled for head dim D, it serves K and V head
+// dims dk, dv <= D (multiples of 8) with q, K and V zero past their own dims
+// (see the SIMT kernel).
 constexpr int kMmaRows = 8;     // query heads per block (the mma's n)
 constexpr int kMmaTokens = 16;  // tokens per warp tile
 
@@ -59,7 +61,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                          const int32_t* __restrict__ table, const int32_t* __restrict__ lengths,
                          int64_t hq, int64_t hkv, int64_t group, int64_t head_chunks,
                          int64_t num_pages, int64_t page_size, int64_t max_pages,
-                         int64_t num_splits, int split, float scale,
+                         int64_t num_splits, int split, int dk, int dv, float scale,
                          float* __restrict__ part_out, float* __restrict__ part_stats) {
   using T = typename DevScalar<DT>::T;
   using C = MmaDecode<D>;
@@ -77,21 +79,21 @@ __global__ void __launch_bounds__(kDecodeThreads)
     return;
   const int64_t b = blk.b, h0 = blk.h0;
   const int ntok = blk.ntok, ng = blk.ng;
-  const int64_t row = hkv * D;      // elements per cache slot
-  const int64_t col = blk.kvh * D;  // this kv head's offset within a slot
+  const CacheRows rows{hkv, blk.kvh, dk, dv, dk / 8, dv / 8};
   // This warp's P buffer: 16 rows (tokens) of 8 heads, 16 bytes each.
   unsigned char* pbuf = smem + C::kRingBytes + warp * C::kPBytes;
 
   // q as the B operand of K q^T: column n = query head h0 + g (0 past the
-  // chunk's heads), rows 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide k step.
+  // chunk's heads), rows 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16-wide k step
+  // (0 past dk, a multiple of 8: a pair never straddles it).
   uint32_t qb[C::kKSteps][2];
   {
     const bool ok = g < ng;
-    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (b * hq + h0 + (ok ? g : 0)) * D);
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (b * hq + h0 + (ok ? g : 0)) * dk);
 #pragma unroll
     for (int ks = 0; ks < C::kKSteps; ++ks) {
-      qb[ks][0] = ok ? __ldg(qr + 8 * ks + t) : 0u;
-      qb[ks][1] = ok ? __ldg(qr + 8 * ks + 4 + t) : 0u;
+      qb[ks][0] = ok && 16 * ks + 2 * t < dk ? __ldg(qr + 8 * ks + t) : 0u;
+      qb[ks][1] = ok && 16 * ks + 8 + 2 * t < dk ? __ldg(qr + 8 * ks + 4 + t) : 0u;
     }
   }
   __syncthreads();  // slot_of visible
@@ -100,8 +102,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   uint4* my_ring = ring + warp * kStages * 2 * kTileVecs;
   auto issue = [&](int i) {  // rows XOR-swizzled for ldmatrix
     auto pos = [](int r, int c) { return Swz<kChunks>(r, c); };
-    IssueTile<kMmaTokens, kChunks, kStages, kTileVecs>(i, my_tiles, warp, wl, ntok, slot_of, row,
-                                                       col, kc, vc, my_ring, pos);
+    IssueTile<kMmaTokens, kChunks, kStages, kTileVecs>(i, my_tiles, warp, wl, ntok, slot_of,
+                                                       rows, kc, vc, my_ring, pos);
   };
 
   // Running softmax state of heads 2t (h = 0) and 2t + 1 (h = 1); o[j] holds
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();
   PdlTrigger();  // the combine may launch once every block is this far (it waits for the writes)
-  StoreSplit<kMmaRows, D, true>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
+  StoreSplit<kMmaRows, D, true>(red, wm, wsum, blk, hq, num_splits, dv, part_out, part_stats);
 }
 
 template <DType DT>
@@ -221,7 +223,7 @@ cudaError_t DispatchDecodeMma(cudaStream_t stream, const DecodeDims& d, const vo
                               const void* kp, const void* vp, const int32_t* table,
                               const int32_t* lengths, float scale, float* part_out,
                               float* part_stats) {
-  switch (d.head_dim) {
+  switch (DecodeTileDim(d.k_dim > d.v_dim ? d.k_dim : d.v_dim)) {
     case 64:
       return LaunchSplit<DT, DecodeSplitMmaKernel<DT, 64>>(
           stream, d, q, kp, vp, table, lengths, scale, part_out, part_stats, kMmaRows,

@@ -53,7 +53,10 @@ struct RowLayout {
 };
 
 // grid (batch * hkv * head_chunks, num_splits), kDecodeThreads threads,
-// kDecodeSmem bytes of dynamic shared memory. A block takes GC query heads of
+// kDecodeSmem bytes of dynamic shared memory. Compiled for head dim D, it
+// serves K head dims dk <= D and V head dims dv <= D (multiples of 8): q and
+// the K/V rows are zero past their own dims, so the scores are exact and the
+// output's elements past dv are 0 (not stored). A block takes GC query heads of
 // one GQA group (h0 .. h0 + ng - 1, all reading kv head kvh) over one split of
 // split tokens, so K and V are read once per block, not once per head. The
 // split's tiles of kTile tokens go round-robin to the warps; each warp keeps
@@ -70,7 +73,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                       const int32_t* __restrict__ table, const int32_t* __restrict__ lengths,
                       int64_t hq, int64_t hkv, int64_t group, int64_t head_chunks,
                       int64_t num_pages, int64_t page_size, int64_t max_pages,
-                      int64_t num_splits, int split, float scale,
+                      int64_t num_splits, int split, int dk, int dv, float scale,
                       float* __restrict__ part_out, float* __restrict__ part_stats) {
   using S = DevScalar<DT>;
   using T = typename S::T;
@@ -92,19 +95,19 @@ __global__ void __launch_bounds__(kDecodeThreads)
     return;
   const int64_t b = blk.b, h0 = blk.h0;
   const int ntok = blk.ntok, ng = blk.ng;
-  const int64_t row = hkv * D;      // elements per cache slot
-  const int64_t col = blk.kvh * D;  // this kv head's offset within a slot
+  const CacheRows rows{hkv, blk.kvh, dk, dv, dk / kVec, dv / kVec};
 
-  // This lane's elements of q * scale for each head (0 for heads past ng).
+  // This lane's elements of q * scale for each head (0 for heads past ng and
+  // past dk).
   float qr[GC][kEpl];
 #pragma unroll
   for (int g = 0; g < GC; ++g) {
 #pragma unroll
     for (int c = 0; c < kCpl; ++c) {
       uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-      if (g < ng)
-        raw = __ldg(reinterpret_cast<const uint4*>(q + (b * hq + h0 + g) * D +
-                                                   (c * kTpt + lane) * kVec));
+      const int chunk = c * kTpt + lane;
+      if (g < ng && chunk < rows.k_chunks)
+        raw = __ldg(reinterpret_cast<const uint4*>(q + (b * hq + h0 + g) * dk + chunk * kVec));
       float f[kVec];
       Unpack<DT>(raw, f);
 #pragma unroll
@@ -116,8 +119,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int my_tiles = WarpTiles(ntok, kTile, warp);
   uint4* my_ring = ring + warp * kStages * 2 * kStageVecs;
   auto issue = [&](int i) {  // rows stored unswizzled: chunk c of row r at r * kChunks + c
-    IssueTile<kTile, kChunks, kStages, kStageVecs>(i, my_tiles, warp, wl, ntok, slot_of, row, col,
-                                                   kc, vc, my_ring,
+    IssueTile<kTile, kChunks, kStages, kStageVecs>(i, my_tiles, warp, wl, ntok, slot_of, rows, kc,
+                                                   vc, my_ring,
                                                    [](int r, int c) { return r * kChunks + c; });
   };
 
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();
   PdlTrigger();  // the combine may launch once every block is this far (it waits for the writes)
-  StoreSplit<GC, D, false>(red, wm, wsum, blk, hq, num_splits, part_out, part_stats);
+  StoreSplit<GC, D, false>(red, wm, wsum, blk, hq, num_splits, dv, part_out, part_stats);
 }
 
 template <DType DT, int D, int GC>
@@ -291,7 +294,7 @@ cudaError_t LaunchDecodeSplitSimt(cudaStream_t stream, const DecodeDims& d, cons
                                   const void* k_pages, const void* v_pages,
                                   const int32_t* page_table, const int32_t* lengths, float scale,
                                   float* part_out, float* part_stats) {
-  switch (d.head_dim) {
+  switch (DecodeTileDim(d.k_dim > d.v_dim ? d.k_dim : d.v_dim)) {
     case 64:
       return DispatchDecodeSimt<64>(stream, d, q, k_pages, v_pages, page_table, lengths, scale,
                                     part_out, part_stats);

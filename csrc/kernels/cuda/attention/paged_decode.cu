@@ -13,7 +13,7 @@
 //     decode_split_simt.cu). Per head: the split's max m and sum l of
 //     exp(score - m) and the unnormalised sum of exp(score - m) * V, written
 //     to the scratch outputs part_stats (B, Hq, S, 2) and part_out
-//     (B, Hq, S, D). No allocation: the scratch is an extra output of the
+//     (B, Hq, S, Dv). No allocation: the scratch is an extra output of the
 //     custom call.
 //  2. DecodeCombineKernel (decode_combine.cu): one warp per (b, query head);
 //     merges the splits holding tokens, in split order. On sm_90+ it is
@@ -22,6 +22,11 @@
 //     kernel's last block instead (an arrival counter per block column)
 //     measured slower: every block's fence and atomic, and the merges in the
 //     grid's tail, cost more than the combine launch (see docs/performance.md).
+// Head dims: K's (q's) and V's may differ, each a multiple of 8 up to 256.
+// The kernels are compiled for 64, 128 and 256 only (few instantiations) and
+// serve a smaller dim with the next larger one: K and V rows are copied to
+// shared memory zero-filled past their own dims (nothing past them is read),
+// q likewise, so the scores and the first Dv outputs are exact.
 // Semantics are those of the CPU kernel (kernels/cpu/attention.cc): lengths
 // are clamped to [0, max_pages * page_size], tokens on a page id outside
 // [0, num_pages) are skipped, and a sequence without valid tokens gives 0.
