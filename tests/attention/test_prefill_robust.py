@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import MAX_SEQLEN_LAYOUTS, PREFILL_RTOL, packed_inputs, prefill_jit, ref_prefill
+from attention_cases import (MAX_SEQLEN_LAYOUTS, PREFILL_RTOL, packed_inputs, prefill_jit,
+                             ref_prefill)
 from common import assert_close, assert_equal, normal
 from jax_moe import attention
 
