@@ -2,7 +2,9 @@
 
 Shape and dtype checks run at trace time (free under jax.jit, before any
 kernel). Value checks (slots, page ids, lengths) run only eagerly, on concrete
-arrays: under jit the values are unknown and the kernels clamp/skip instead.
+arrays: under jit the values are unknown and the kernels clamp/skip instead,
+or, where no clamp gives a right answer (cu_seqlens_violated), poison the
+output with NaN from a predicate computed on the device.
 Index arguments may have any integer dtype; index_int32 is how they reach the
 kernels' int32 (saturated, so that a 64-bit value past int32 stays out of
 range instead of wrapping onto a valid index).
@@ -203,6 +205,14 @@ def prefill_args(q, k, v, cu_seqlens, scale) -> float:
                 f"cu_seqlens must start at 0, be non-decreasing and end at most at N={n}, "
                 f"got {c.tolist()}")
     return scale_value(scale, d)
+
+
+def cu_seqlens_violated(cu_seqlens, n: int):
+    """Device-side form of prefill_args' value check, for jitted code: a
+    scalar bool, true where cu_seqlens does not start at 0, decreases
+    anywhere or ends past N. No host sync: callers select NaN with it."""
+    c = cu_seqlens
+    return (c[0] != 0) | jnp.any(c[1:] < c[:-1]) | (c[-1] > n)
 
 
 def prefill_max_seqlen(q, cu_seqlens, max_seqlen) -> int | None:

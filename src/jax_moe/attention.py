@@ -27,9 +27,12 @@ Invalid values (only checkable eagerly; under jax.jit the kernels guard instead)
     softmax); a sequence without any valid token gets a zero output. Eagerly,
     such page ids (in the used part of page_table) and lengths outside
     [0, capacity] raise ValueError.
-  - prefill_attention(..., max_seqlen=M): a sequence longer than M (or, when
-    N == B * M, one not starting at a multiple of M) poisons the output with
-    NaN under jit; eagerly it raises ValueError.
+  - prefill_attention: cu_seqlens not starting at 0, decreasing or ending
+    past N, and with max_seqlen=M a sequence longer than M (or, when
+    N == B * M, one not starting at a multiple of M), make the whole output
+    NaN under jit, on every path; eagerly they raise ValueError. A non-finite
+    q, k or v value reaches only rows of its own sequence; padding tokens are
+    never read.
   - attention_dispatch: a decode sequence with other than one new token gets
     NaN rows under jit; eagerly it raises ValueError.
 """
@@ -205,6 +208,22 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
     cu_seqlens (B+1,) int32 (values; N is the static shape) -> (N, Hq, D).
     Tokens past cu_seqlens[-1] are padding: their output is 0.
 
+    Contract of cu_seqlens: it starts at 0, never decreases and ends at most
+    at N. Eagerly a violation raises ValueError; under jit it is detected on
+    device and the whole output (padding rows included) is NaN, on every
+    path, as in the twin.
+
+    Sequences are isolated: a row's output depends only on the q, k, v of
+    its own sequence, and padding tokens are never read (they may hold
+    anything, NaN included). A NaN in q, k or v (an inf too, on the default
+    path) reaches, as NaN, the outputs that attend to it: q's row and head,
+    every output of the attending rows' heads of that kv head for k, that
+    element's dim of them for v. Without max_seqlen exactly those, as in the
+    twin (non-finite k, v values go into the kernel as 0 and come back as
+    NaN); with max_seqlen the kernels' own arithmetic may also make other
+    rows of that sequence non-finite (0 * NaN for a causally masked key),
+    never rows of another one.
+
     max_seqlen=None: jax.nn.dot_product_attention on the packed batch
     (1, N, H, D) with a block-diagonal (and causal) (N, N) boolean mask built
     from the segment ids of cu_seqlens. jax hands cuDNN a mask as a dense
@@ -221,10 +240,10 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
     end), so the dense causal kernel runs and the padding rows are zeroed
     afterwards. Otherwise device-side
     gathers computed from cu_seqlens move the tokens in and out (no host
-    sync; jittable). Contract: every sequence has at most M tokens (and, with
-    N == B * M, the starts above). Eagerly a violation raises ValueError; under
-    jit it is detected on device and the whole output is NaN, never a
-    silently wrong result.
+    sync; jittable). Contract: cu_seqlens' above, every sequence has at most
+    M tokens (and, with N == B * M, the starts above). Eagerly a violation
+    raises ValueError; under jit it is detected on device and the whole
+    output is NaN, never a silently wrong result.
 
     See prefill_path for which implementation is used."""
     scale = _ac.prefill_args(q, k, v, cu_seqlens, scale)
@@ -240,17 +259,46 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
         out = _prefill_padded(q, k, v, cu_seqlens, int(max_seqlen), causal=causal, scale=scale,
                               implementation=impl)
         return out.astype(dtype)
-    n = q.shape[0]
-    seg = segment_ids(cu_seqlens, n)
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    cu = _ac.index_int32(cu_seqlens)
+    seg = segment_ids(cu, n)
     mask = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
     if causal:
         # Within one segment, key <= query is the causal mask; folded into the
         # mask so that both paths see the same (1, 1, N, N) mask.
         mask &= jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    # Every query multiplies every V row (a masked key's probability is 0, and
+    # 0 * NaN is NaN; cuDNN adds the mask to the scores as a bias, so a
+    # non-finite k reaches every query too): non-finite k, v values go in as
+    # 0 and come back as NaN in exactly the queries that attend to them.
+    finite_k, finite_v = jnp.isfinite(k), jnp.isfinite(v)
+    nonfinite = ~jnp.all(finite_k, axis=-1, keepdims=True) | ~finite_v   # (N, Hkv, D)
+    k = jnp.where(finite_k, k, jnp.zeros((), k.dtype))
+    v = jnp.where(finite_v, v, jnp.zeros((), v.dtype))
     out = jax.nn.dot_product_attention(
         q[None], k[None], v[None], mask=mask[None, None], scale=scale, implementation=impl)[0]
-    out = out.astype(dtype)
-    return jnp.where((seg >= 0)[:, None, None], out, jnp.zeros((), out.dtype))
+    out = out.astype(dtype).reshape(n, hkv, hq // hkv, d)
+    nan = jnp.asarray(jnp.nan, out.dtype)
+    out = jnp.where(_attends_to(nonfinite, cu, seg, causal)[:, :, None, :], nan, out)
+    out = jnp.where((seg >= 0)[:, None, None, None], out, jnp.zeros((), out.dtype))
+    # cu_seqlens outside its contract: the whole output, padding rows too
+    return jnp.where(_ac.cu_seqlens_violated(cu_seqlens, n), nan, out).reshape(n, hq, d)
+
+
+def _attends_to(flags, cu, seg, causal: bool):
+    """flags (N, ...) bool, one per packed key row -> (N, ...) bool: whether
+    query row i attends to a flagged row (of its own sequence; causally, at
+    or before i). One scan: last[i] is the last flagged row <= i, which lies
+    in row i's sequence iff it is >= the sequence's start."""
+    n = flags.shape[0]
+    b = cu.shape[0] - 1
+    pos = jnp.arange(n, dtype=jnp.int32).reshape((n,) + (1,) * (flags.ndim - 1))
+    last = jax.lax.cummax(jnp.where(flags, pos, -1), axis=0)
+    s = jnp.clip(seg, 0, max(b - 1, 0))  # padding rows: any sequence (their output is 0)
+    if not causal:  # a query attends to its whole sequence: look from its last row
+        last = jnp.take(last, jnp.clip(cu[jnp.minimum(s + 1, b)] - 1, 0, max(n - 1, 0)), axis=0)
+    return last >= cu[s].reshape(pos.shape)
 
 
 def attention_dispatch(q, k, v, k_pages, v_pages, page_table, lengths, cu_seqlens, is_decode,
@@ -284,6 +332,8 @@ def attention_dispatch(q, k, v, k_pages, v_pages, page_table, lengths, cu_seqlen
 
     Returns (out (N, Hq, D), k_pages, v_pages). A decode sequence with other
     than one new token raises ValueError eagerly; under jit its rows are NaN.
+    cu_seqlens outside prefill_attention's contract: under jit every row is
+    NaN, decode rows included.
     Twin: jax_moe.attention_reference.attention_dispatch."""
     prefill_path(q, k, v, cu_seqlens, causal=True, scale=scale, implementation=implementation,
                  max_seqlen=max_seqlen)  # its argument checks, before any kernel
@@ -321,7 +371,7 @@ def _padded_gather_index(cu_seqlens, n: int, max_seqlen: int):
     """(B * max_seqlen,) int32: the packed token at row j of padded sequence i,
     flattened (i * max_seqlen + j); rows past a sequence's length (clamped to
     [0, max_seqlen]) and indices outside [0, N) give N (out of range: filled)."""
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = _ac.index_int32(cu_seqlens)
     lens = jnp.clip(cu[1:] - cu[:-1], 0, max_seqlen)
     j = jnp.arange(max_seqlen, dtype=jnp.int32)
     src = cu[:-1, None] + j[None, :]
@@ -333,7 +383,7 @@ def _padded_scatter_index(cu_seqlens, n: int, max_seqlen: int):
     """(N,) int32: the padded row (i * max_seqlen + j) holding packed token t;
     padding tokens (past cu_seqlens[-1]) and tokens past max_seqlen within
     their sequence give B * max_seqlen (out of range: filled)."""
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = _ac.index_int32(cu_seqlens)
     b = cu.shape[0] - 1
     seg = segment_ids(cu, n)
     segc = jnp.clip(seg, 0, b - 1)
@@ -347,15 +397,24 @@ def _take_rows(x, idx):
     return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
 
 
+def _zero_last_block_tail(xp, keep):
+    """xp (B, M, ...) with rows keep .. M-1 of its last block set to 0."""
+    last = xp[-1]
+    rows = jnp.arange(last.shape[0]).reshape((-1,) + (1,) * (last.ndim - 1))
+    last = jnp.where(rows < keep, last, jnp.zeros((), xp.dtype))
+    return jax.lax.dynamic_update_index_in_dim(xp, last, xp.shape[0] - 1, axis=0)
+
+
 def _prefill_padded(q, k, v, cu_seqlens, m, *, causal, scale, implementation):
     n, hq, d = q.shape
     hkv = k.shape[1]
     b = cu_seqlens.shape[0] - 1
     if n == 0 or b == 0:  # no sequence: every token is padding
-        return jnp.zeros(q.shape, q.dtype)
-    cu = cu_seqlens.astype(jnp.int32)
+        return jnp.where(_ac.cu_seqlens_violated(cu_seqlens, n), jnp.asarray(jnp.nan, q.dtype),
+                         jnp.zeros(q.shape, q.dtype))
+    cu = _ac.index_int32(cu_seqlens)
     lens = cu[1:] - cu[:-1]
-    bad = jnp.any((lens < 0) | (lens > m))
+    bad = _ac.cu_seqlens_violated(cu_seqlens, n) | jnp.any(lens > m)
     reshape = n == b * m
     if reshape:
         bad = bad | jnp.any(cu[:-1] != jnp.arange(b, dtype=jnp.int32) * m)
@@ -373,6 +432,10 @@ def _prefill_padded(q, k, v, cu_seqlens, m, *, causal, scale, implementation):
         # tokens (only possible at the end of the last sequence) are query rows
         # past its length, which both implementations output as 0.
         qp, kp, vp = (x.reshape(b, m, x.shape[1], d) for x in (q, k, v))
+        # The padding tokens are K, V rows of the last sequence's block that
+        # its queries multiply by a probability of 0 (0 * NaN is NaN): zero
+        # them. One block (m rows) each, in place where k, v are intermediates.
+        kp, vp = (_zero_last_block_tail(x, lens[-1]) for x in (kp, vp))
         if causal:
             # Every sequence but the last is m long, and the last one's padding
             # rows come after its tokens, so no real query sees a padding key:

@@ -10,6 +10,11 @@ Semantics shared with the kernels:
 - Index arguments of any integer dtype reach int32 saturated
   (_attention_checks.index_int32): a 64-bit value past int32 is out of range,
   never wrapped.
+- prefill_attention: a query reads only the keys of its own sequence; padding
+  tokens are never read. A non-finite k or v value makes NaN of exactly the
+  queries that attend to it (the kernel path's default layout does the same;
+  with max_seqlen, other rows of that sequence may be NaN too). cu_seqlens
+  outside its contract make the whole output NaN.
 """
 
 from __future__ import annotations
@@ -77,14 +82,21 @@ def segment_ids(cu_seqlens, n: int):
     """(N,) int32: sequence index of each packed token; tokens past
     cu_seqlens[-1] get -1 (padding)."""
     pos = jnp.arange(n, dtype=jnp.int32)
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = _ac.index_int32(cu_seqlens)
     seg = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
     return jnp.where(pos < cu[-1], seg, -1)
 
 
 def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None):
     """Dense jnp attention over each packed sequence (f32 softmax); padding
-    tokens (past cu_seqlens[-1]) get a zero output."""
+    tokens (past cu_seqlens[-1]) get a zero output.
+
+    Sequences are isolated: each query reads only the keys it attends to.
+    Non-finite k, v values are replaced by 0 in the products (so that a
+    masked-out key's 0 * NaN never happens) and the queries that attend to
+    them get NaN: in every element of that kv head's query heads for k, in
+    the element's own position for v. cu_seqlens outside its contract (not
+    starting at 0, decreasing, ending past N) make the whole output NaN."""
     scale = _ac.prefill_args(q, k, v, cu_seqlens, scale)
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -93,14 +105,25 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None):
     mask = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
     if causal:
         mask &= jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    # (N, Hkv, D): the k, v elements that a query reading key row j must not
+    # come out finite from
+    nonfinite = ~jnp.all(jnp.isfinite(kf), axis=-1, keepdims=True) | ~jnp.isfinite(vf)
+    kf = jnp.where(jnp.isfinite(kf), kf, 0.0)
+    vf = jnp.where(jnp.isfinite(vf), vf, 0.0)
     qf = q.astype(jnp.float32).reshape(n, hkv, g, d) * scale
-    s = jnp.einsum("qhgd,khd->hgqk", qf, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("qhgd,khd->hgqk", qf, kf, precision=hi)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     l = jnp.sum(e, axis=-1, keepdims=True)
-    o = jnp.einsum("hgqk,khd->qhgd", e / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+    o = jnp.einsum("hgqk,khd->qhgd", e / jnp.where(l > 0, l, 1.0), vf, precision=hi)
+    # Non-finite elements each query attends to, counted through the mask.
+    hits = jnp.einsum("qk,khd->qhd", mask.astype(jnp.float32), nonfinite.astype(jnp.float32),
+                      precision=hi)
+    o = jnp.where(hits[:, :, None, :] > 0, jnp.nan, o)
+    o = jnp.where(_ac.cu_seqlens_violated(cu_seqlens, n), jnp.nan, o)
     return o.reshape(n, hq, d).astype(q.dtype)
 
 
@@ -111,7 +134,7 @@ def dispatch_steps(write_kv_fn, prefill_fn, decode_fn, q, k, v, k_pages, v_pages
     (decode tokens as sequences of one, replaced), decode over the B
     sequences' first tokens (prefill sequences with length 0: nothing read),
     then a select per row; a decode sequence with other than one new token
-    gets NaN rows."""
+    gets NaN rows, and cu_seqlens outside its contract make every row NaN."""
     # Every op's checks first, so that bad input raises before any kernel runs.
     _ac.dispatch_args(q, cu_seqlens, is_decode)
     _ac.write_kv_args(k_pages, v_pages, k, v, slot_mapping)
@@ -137,7 +160,8 @@ def dispatch_steps(write_kv_fn, prefill_fn, decode_fn, q, k, v, k_pages, v_pages
     seg = segment_ids(cu, n)
     seq = jnp.clip(seg, 0, b - 1)
     row_decode = (seg >= 0) & is_decode[seq]
-    row_bad = row_decode & ((cu[1:] - cu[:-1])[seq] != 1)
+    # cu_seqlens outside its contract: every row NaN, as prefill's are
+    row_bad = (row_decode & ((cu[1:] - cu[:-1])[seq] != 1)) | _ac.cu_seqlens_violated(cu, n)
     out = jnp.where(row_decode[:, None, None], decode_out[seq], prefill_out)
     return (jnp.where(row_bad[:, None, None], jnp.asarray(jnp.nan, out.dtype), out),
             k_pages, v_pages)

@@ -147,6 +147,24 @@ def test_dispatch_int64_values_past_int32_are_out_of_range_under_jit(rng):
             attention.attention_dispatch(*as64)
 
 
+@pytest.mark.parametrize("max_seqlen", [None, 16])
+@pytest.mark.parametrize("bad_cu", [[1, 6, 7, 10], [0, 6, 7, 14]], ids=["start", "past_end"])
+def test_dispatch_bad_cu_seqlens_gives_nan_under_jit(rng, bad_cu, max_seqlen):
+    """cu_seqlens not starting at 0 or ending past N: under jit every row is
+    NaN, the decode rows included (as prefill_attention's), in the twin too;
+    eagerly it raises."""
+    kinds = [("prefill", 6), ("decode", 9), ("prefill", 3)]
+    args, _ = mixed_batch(rng, kinds, jnp.float32)  # N = 10 + 3 padding rows
+    q, k, v, kp, vp, table, ln, cu, dec, slots = args
+    bad = jnp.asarray(np.array(bad_cu, np.int32))
+    bad_args = (q, k, v, kp, vp, table, ln, bad, dec, slots)
+    f = jax.jit(functools.partial(attention.attention_dispatch, max_seqlen=max_seqlen))
+    assert np.isnan(np.asarray(f(*bad_args)[0])).all(), "dispatch"
+    assert np.isnan(np.asarray(ref_dispatch(*bad_args)[0])).all(), "reference"
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        attention.attention_dispatch(*bad_args, max_seqlen=max_seqlen)
+
+
 @pytest.mark.parametrize("case, exc, match", [
     ("dec_dtype", TypeError, "is_decode must be a bool array"),
     ("dec_len", ValueError, "is_decode must have B=2"),
