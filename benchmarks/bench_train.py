@@ -81,15 +81,17 @@ def _program(backend, topk, n, backward, remat):
     @jax.jit
     def run(x, logits, w13, w2, ct):
         def body(i, carry):
-            h, acc, prev, w13, w2 = carry
-            # The routing waits for the previous step's gradients too (as a
-            # step waits for the optimizer's update): XLA may not defer their
-            # use and keep several steps' weight gradients alive at once.
+            h, prev, w13, w2 = carry
+            # The routing waits for the previous step's gradients (as a step
+            # waits for the optimizer's update), so every step's gradients
+            # are used, each before the next step, and die there. The last
+            # step's reach the output. (A sum of every step's `keep` as an
+            # output would be fused at the program's end, reading every
+            # step's weight gradients there and keeping them all alive.)
             lg = after(logits[i % logits.shape[0]], h) + prev * 0
             nxt, keep, w13, w2 = step(h, lg, w13, w2, ct)
-            return after(x, nxt), acc + keep, keep, w13, w2
-        zero = jnp.zeros((), jnp.float32)
-        return chain(body, n, (x, zero, zero, w13, w2))[:2]
+            return after(x, nxt), keep, w13, w2
+        return chain(body, n, (x, jnp.zeros((), jnp.float32), w13, w2))[:2]
 
     return run
 
