@@ -209,7 +209,8 @@ def mlp_weights(rng, experts, hidden, inter, dtype, gated=True):
 # expert_sizes outside the contract (for 64 rows, 4 experts): each GEMM path
 # must clamp them as reference.py does.
 BAD_SIZES = {"oversized_first": [90, 5, 0, 0], "negative": [5, -3, 70, 20],
-             "negative_first_oversized_last": [-5, 10, 4, 100], "sum_past_m": [30, 30, 30, 30]}
+             "negative_first_oversized_last": [-5, 10, 4, 100], "sum_past_m": [30, 30, 30, 30],
+             "sum_past_int32": [3, 2**31 - 1, 5, 2**31 - 1]}
 
 
 def on_cpu(fn, *args, **kwargs):

@@ -1,6 +1,7 @@
 """jax_moe.tuning: the hardware descriptor, the tile rule and the table lookup."""
 
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -179,3 +180,37 @@ def test_malformed_table_raises_naming_the_file(tmp_path, monkeypatch):
             tuning.load_table("Broken GPU")
     finally:
         tuning.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("text, where", [
+    ('{"group_gemm": null}', '"group_gemm"'),
+    ('{"tables": {}}', '"group_gemm"'),
+    ('[1, 2]', '"group_gemm"'),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": [[Infinity, 128]]}}', "m=inf"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": [[16, 8.5]]}}', "tile_m=8.5"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": [[16, 128.0]]}}', "tile_m=128.0"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": [[true, 128]]}}', "m=True"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": [[0, 128]]}}', "m=0"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": [[16]]}}', "must be a pair"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": []}}', "non-empty list"),
+    ('{"group_gemm": {"bfloat16/E8/N8/K8": 5}}', "non-empty list"),
+    ('{"group_gemm": ', "not JSON"),
+])
+def test_table_checked_whole_naming_file_and_key(tmp_path, monkeypatch, text, where):
+    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+    (tmp_path / "Broken_GPU.json").write_text(text)
+    tuning.load_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="Broken_GPU.json") as info:
+            tuning.load_table("Broken GPU")
+        assert where in str(info.value)
+        if "E8" in text and "null" not in text and "not JSON" not in where:
+            assert "bfloat16/E8/N8/K8" in str(info.value)
+    finally:
+        tuning.load_table.cache_clear()
+
+
+def test_shipped_tables_pass_the_check():
+    for path in (Path(tuning.__file__).parent / "tuning_tables").glob("*.json"):
+        table = tuning._checked_table(json.loads(path.read_text()), path)
+        assert table

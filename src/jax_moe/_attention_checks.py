@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks
+from jax_moe._int32 import index_int32  # noqa: F401  (attention's index arguments)
 
 # paged_decode_attention's head dims (q's and k_pages' Dk, v_pages' Dv, which
 # may differ): multiples of HEAD_DIM_UNIT up to MAX_HEAD_DIM
@@ -44,20 +45,6 @@ def scale_value(scale, d: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a Python float (static) or None, got {scale!r}")
     return float(scale)
-
-
-def index_int32(x):
-    """An integer index array as int32, saturated to int32's range first: a
-    value past it (int64 under jax_enable_x64, uint32, uint64) becomes
-    2**31 - 1 or -2**31, which every op treats as out of range (a slot or
-    page id past the cache, a length clamped to the capacity), where a plain
-    astype would wrap it onto a valid index."""
-    dt = jnp.dtype(x.dtype)
-    info, i32 = jnp.iinfo(dt), jnp.iinfo(jnp.int32)
-    if info.min >= i32.min and info.max <= i32.max:
-        return x.astype(jnp.int32)
-    lo, hi = max(int(info.min), int(i32.min)), min(int(info.max), int(i32.max))
-    return jnp.clip(x, np.array(lo, dt), np.array(hi, dt)).astype(jnp.int32)
 
 
 def head_dim(d: int, name: str) -> None:

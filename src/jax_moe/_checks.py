@@ -43,6 +43,7 @@ TILE_M = (8, 16, 32, 64, 128, 256)
 # One token, bf16 or f16.
 DECODE_LIMITS = types.MappingProxyType({k: int(v) for k, v in _ext.DECODE_LIMITS.items()})
 DECODE_DTYPES = ("bfloat16", "float16")
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +73,28 @@ class Layer:
 
 # ---- building blocks --------------------------------------------------------
 
+def is_array(x, name: str) -> None:
+    """An array (JAX, NumPy or a tracer), not a list or a Python scalar: the
+    checks below read its shape and dtype."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray), "
+                        f"got {type(x).__name__}")
+
+
 def rank(x, name: str, want: int) -> None:
+    is_array(x, name)
     if jnp.ndim(x) != want:
         raise ValueError(f"{name} must have rank {want}, got shape {jnp.shape(x)}")
 
 
 def float_dtype(x, name: str) -> None:
+    is_array(x, name)
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
 def int_dtype(x, name: str) -> None:
+    is_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got {x.dtype}")
 
@@ -97,6 +109,22 @@ def static_int(value, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be a Python int (a static argument), got {value!r}") from None
+
+
+def static_float(value, name: str) -> float:
+    """A Python or NumPy real number (a static argument), as a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                         np.floating)):
+        raise TypeError(f"{name} must be a Python float (a static argument), got {value!r}")
+    return float(value)
+
+
+def static_bool(value, name: str) -> bool:
+    """True or False (Python or NumPy), as a bool: a string such as "False"
+    would otherwise read as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False (a static argument), got {value!r}")
+    return bool(value)
 
 
 def num_experts_bound(num_experts: int, name: str) -> None:
@@ -179,12 +207,9 @@ def _routing(experts: int, k: int, scoring_func, renormalize, num_expert_group, 
             raise ValueError(
                 f"e_score_correction_bias must have num_experts={experts} entries, "
                 f"got {e_score_correction_bias.shape[0]}")
-    try:
-        scale = float(routed_scaling_factor)
-    except TypeError:
-        raise TypeError(f"routed_scaling_factor must be a Python float, "
-                        f"got {routed_scaling_factor!r}") from None
-    return Routing(topk=k, scoring_func=scoring_func, renormalize=bool(renormalize),
+    scale = static_float(routed_scaling_factor, "routed_scaling_factor")
+    return Routing(topk=k, scoring_func=scoring_func,
+                   renormalize=static_bool(renormalize, "renormalize"),
                    num_expert_group=groups, topk_group=tg, routed_scaling_factor=scale)
 
 
@@ -318,6 +343,7 @@ def combine_args(y, topk_weights, src_to_dst) -> None:
 def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output,
                   is_gated: bool) -> int:
     """Shapes and dtypes of the routed layer; returns topk as an int."""
+    is_gated = static_bool(is_gated, "is_gated")
     rank(hidden_states, "hidden_states", 2)
     rank(router_logits, "router_logits", 2)
     rank(w13, "w13", 3)
@@ -344,6 +370,10 @@ def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expe
         raise ValueError(
             f"w2 must be (E={experts}, H={hidden}, I={inter}), got {w2.shape}")
     k = topk(topk_value, experts)
+    if tokens * k > INT32_MAX:
+        # The slots (T·k rows) are indexed with int32 on every backend.
+        raise ValueError(f"hidden_states' T={tokens} times topk={k} must be at most "
+                         f"{INT32_MAX} (2**31 - 1) slots")
     if shared_expert_output is not None and shared_expert_output.shape != (tokens, hidden):
         raise ValueError(
             f"shared_expert_output must be (T={tokens}, H={hidden}), "
@@ -393,8 +423,8 @@ def moe_layer_args(hidden_states, router_logits, w13, w2, topk_value, *, scoring
     routing = _layer_routing(router_logits, k, scoring_func, renormalize, num_expert_group,
                              topk_group, e_score_correction_bias, routed_scaling_factor)
     activation(activation_name)
-    return Layer(routing=routing, activation=activation_name, is_gated=bool(is_gated),
-                 tile_m=tile_pair(tile))
+    return Layer(routing=routing, activation=activation_name,
+                 is_gated=static_bool(is_gated, "is_gated"), tile_m=tile_pair(tile))
 
 
 def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormalize,
@@ -408,7 +438,8 @@ def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormali
     routing = _layer_routing(router_logits, k, scoring_func, renormalize, num_expert_group,
                              topk_group, e_score_correction_bias, routed_scaling_factor)
     _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
-    return Layer(routing=routing, activation=activation_name, is_gated=bool(is_gated))
+    return Layer(routing=routing, activation=activation_name,
+                 is_gated=static_bool(is_gated, "is_gated"))
 
 
 def decode_limits(hidden_states, w13, w2, k: int) -> str | None:

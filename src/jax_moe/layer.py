@@ -199,4 +199,39 @@ class MoELayer:
         if w13.shape != (c.num_experts, up, c.hidden_size):
             raise ValueError(
                 f"w13 must be (E={c.num_experts}, {up}, H={c.hidden_size}), got {w13.shape}")
+        _config_arrays(c, arrays)
         return self._fn(hidden_states, router_logits, w13, w2, **arrays)
+
+
+_ARRAYS = ("e_score_correction_bias", "shared_w13", "shared_w2", "shared_gate",
+           "shared_expert_output")
+
+
+def _config_arrays(c: MoEConfig, arrays: dict) -> None:
+    """The arrays that c implies are there, and none that it rules out: a
+    DeepSeek-V3 block called without its correction bias would route wrongly
+    with no error."""
+    unknown = sorted(set(arrays) - set(_ARRAYS))
+    if unknown:
+        raise TypeError(f"MoELayer got unknown arrays {unknown}; it takes {list(_ARRAYS)}")
+    given = {k for k, v in arrays.items() if v is not None}
+    want = set()
+    if c.use_correction_bias:
+        want.add("e_score_correction_bias")
+    if c.shared_intermediate_size:
+        if "shared_expert_output" not in given:  # else the shared expert ran outside
+            want |= {"shared_w13", "shared_w2"}
+        if c.shared_expert_gate and "shared_expert_output" not in given:
+            want.add("shared_gate")
+    missing = sorted(want - given)
+    if missing:
+        raise ValueError(f"MoELayer's config needs {missing}, which were not passed")
+    if not c.use_correction_bias and "e_score_correction_bias" in given:
+        raise ValueError("e_score_correction_bias was passed but the config has "
+                         "use_correction_bias=False")
+    if not c.shared_expert_gate and "shared_gate" in given:
+        raise ValueError("shared_gate was passed but the config has shared_expert_gate=False")
+    if not c.shared_intermediate_size and given & {"shared_w13", "shared_w2", "shared_gate",
+                                                   "shared_expert_output"}:
+        raise ValueError(f"shared-expert arrays {sorted(given & set(_ARRAYS[1:]))} were passed "
+                         "but the config has shared_intermediate_size=0")

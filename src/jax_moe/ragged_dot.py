@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax_moe import _checks
 from jax_moe.ops.group_gemm import _group_gemm_call, matmul_kn
 from jax_moe.ops.group_gemm_wgrad import _group_gemm_wgrad
+from jax_moe._int32 import index_int32
 
 __all__ = ["ragged_dot"]
 
@@ -46,7 +47,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         raise ValueError(f"rhs must be (G, K={lhs.shape[1]}, N) to match lhs, got {rhs.shape}")
     out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
     groups = rhs.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
+    sizes = index_int32(group_sizes)
     if group_offset is None:
         if sizes.shape[0] != groups:
             raise ValueError(f"group_sizes must have G={groups} entries (rhs's first dim), "
@@ -58,7 +59,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     if sizes.shape[0] < groups:
         raise ValueError(f"group_sizes must hold at least G={groups} entries (rhs's first dim) "
                          f"with a group_offset, got {sizes.shape[0]}")
-    return _local_groups(lhs, rhs, sizes, group_offset.astype(jnp.int32)[0]).astype(out_dtype)
+    return _local_groups(lhs, rhs, sizes, index_int32(group_offset)[0]).astype(out_dtype)
 
 
 def _local_groups(lhs, rhs, sizes, offset):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
+from jax_moe._int32 import index_int32
 
 __all__ = [
     "route",
@@ -167,15 +168,29 @@ def _route(router_logits, e_score_correction_bias, r: _checks.Routing):
         choice = scores
         if e_score_correction_bias is not None:
             choice = choice + e_score_correction_bias.astype(jnp.float32)
+    key = _order_key(choice)
     if groups > 1:
         per = experts // groups
         grouped = choice.reshape(tokens, groups, per)
-        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)
-        _, chosen = jax.lax.top_k(group_score, r.topk_group)
+        best = jax.lax.top_k(key.reshape(tokens, groups, per), min(2, per))[1]
+        group_score = jnp.sum(jnp.take_along_axis(grouped, best, axis=-1), axis=-1)
+        _, chosen = jax.lax.top_k(_order_key(group_score), r.topk_group)
         keep = jnp.sum(jax.nn.one_hot(chosen, groups, dtype=jnp.int32), axis=1) > 0
-        choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, r.topk)
+        # Experts of the other groups rank as -inf (as in the kernels: above
+        # a NaN choice value of a kept group).
+        key = jnp.where(jnp.repeat(keep, per, axis=1), key, _order_key(jnp.float32(-jnp.inf)))
+    _, ids = jax.lax.top_k(key, r.topk)
     return _chosen_weights(scores, ids, r), ids.astype(jnp.int32)
+
+
+def _order_key(v):
+    """The kernels' int32 order key of f32 values: -inf < ... < -0 < +0 < ...
+    < +inf, and every NaN (a NaN correction bias makes one) below -inf, so a
+    NaN is never preferred; top_k over the keys takes the lower expert id
+    among equals, as the kernels do."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    bits = jnp.where(jnp.isnan(v), jnp.int32(-0x400000), bits)  # 0xffc00000: -NaN
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def _finite_or_minus_inf(router_logits):
@@ -208,7 +223,7 @@ def _route_weights(router_logits, ids, r: _checks.Routing):
 
 
 def _token_index(topk_ids, num_experts: int, start: int, local: int):
-    flat = topk_ids.reshape(-1).astype(jnp.int32) - start
+    flat = index_int32(topk_ids.reshape(-1)) - start
     n = flat.shape[0]
     valid = (flat >= 0) & (flat < local)
     key = jnp.where(valid, flat, local)  # unplaced entries sort last
@@ -223,15 +238,20 @@ def _token_index(topk_ids, num_experts: int, start: int, local: int):
 
 
 def _expand(x, dst_to_src, k: int):
+    if x.shape[0] == 0:  # no tokens: every row is a zero row (nothing to gather from)
+        return jnp.zeros((dst_to_src.shape[0], x.shape[1]), x.dtype)
     valid = (dst_to_src >= 0) & (dst_to_src < x.shape[0] * k)
     rows = x[jnp.where(valid, dst_to_src, 0) // k]
     return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
 
 
 def _clamped_sizes(expert_sizes, m: int):
-    sizes = jnp.maximum(expert_sizes.astype(jnp.int32), 0)
-    end = jnp.cumsum(sizes)
-    return jnp.clip(end, 0, m) - jnp.clip(end - sizes, 0, m)
+    """The rows each expert owns of m: sizes below 0 count 0, and the
+    cumulative sum saturates at m (an int32 sum of sizes near 2**31 would
+    wrap and give rows to the wrong experts)."""
+    sizes = jnp.clip(index_int32(expert_sizes), 0, m)
+    end = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+    return end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
 
 
 def _group_gemm(x, w, expert_sizes):
@@ -287,8 +307,8 @@ def _combine_bwd(g, y, topk_weights, src_to_dst, dst_to_src):
     tokens, k = topk_weights.shape
     slots = tokens * k
     w = topk_weights.astype(jnp.float32).reshape(-1)
-    s2d = src_to_dst.astype(jnp.int32)
-    d2s = dst_to_src.astype(jnp.int32)
+    s2d = index_int32(src_to_dst)
+    d2s = index_int32(dst_to_src)
     gf = g.astype(jnp.float32)
     if slots == 0:
         return jnp.zeros_like(y), jnp.zeros((tokens, k), jnp.float32)
@@ -325,7 +345,7 @@ def _group_gemm_wgrad(dy, x, expert_sizes, rows, topk: int):
     dot per expert: E x M x (N + K) memory, a test oracle's cost."""
     m = dy.shape[0]
     if rows is not None:  # no tokens (T = 0): every row is a zero row
-        x = _expand(x, rows, topk) if x.shape[0] else jnp.zeros((m, x.shape[1]), x.dtype)
+        x = _expand(x, rows, topk)
     sizes = _clamped_sizes(expert_sizes, m)
     end = jnp.cumsum(sizes)
     r = jnp.arange(m, dtype=end.dtype)

@@ -176,14 +176,37 @@ def load_table(device_kind: str) -> dict:
         return {}
     try:
         data = json.loads(path.read_text())
-        table = data["group_gemm"]
-        for key, entries in table.items():
-            for m, tile in entries:
-                if int(m) < 1 or int(tile) not in TILE_M:
-                    raise ValueError(f"entry {[m, tile]} of {key}")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"jax_moe tuning table {path} is malformed ({exc}); regenerate it "
+    except ValueError as exc:  # not JSON
+        raise ValueError(f"jax_moe tuning table {path} is not JSON ({exc}); regenerate it "
                          "with `python -m jax_moe.tune` or remove it") from None
+    return _checked_table(data, path)
+
+
+def _checked_table(data, path) -> dict:
+    """data["group_gemm"], each of its entries checked whole: a malformed
+    table is an error naming the file and the key, never a tile read wrongly."""
+    def bad(where: str, what: str):
+        return ValueError(f"jax_moe tuning table {path}: {where} {what}; regenerate it with "
+                          "`python -m jax_moe.tune` or remove it")
+
+    def is_int(v):  # JSON ints only: no bools, no 8.5, no Infinity
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(data, dict) or not isinstance(data.get("group_gemm"), dict):
+        raise bad('"group_gemm"', "must be an object of {key: [[m, tile_m], ...]}")
+    table = data["group_gemm"]
+    for key, entries in table.items():
+        if not isinstance(entries, list) or not entries:
+            raise bad(f"group_gemm[{key!r}]", "must be a non-empty list of [m, tile_m] pairs")
+        for i, entry in enumerate(entries):
+            where = f"group_gemm[{key!r}][{i}]"
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise bad(where, f"must be a pair [m, tile_m], got {entry!r}")
+            m, tile = entry
+            if not is_int(m) or m < 1:
+                raise bad(where, f"has m={m!r}; it must be an integer >= 1")
+            if not is_int(tile) or tile not in TILE_M:
+                raise bad(where, f"has tile_m={tile!r}; it must be one of {TILE_M}")
     return table
 
 

@@ -85,6 +85,38 @@ def test_topk_nan_logits_are_never_picked(rng, backend):
     assert_close(weights, np_w, jnp.float32, "weights")
 
 
+@pytest.mark.parametrize("groups", [None, (4, 2)], ids=["flat", "grouped"])
+def test_route_nan_bias_expert_is_never_picked(rng, backend, groups):
+    # One rule on every backend: a choice value that is NaN (a NaN correction
+    # bias) ranks below -inf, so that expert is never picked while another
+    # remains; the weights come from the scores, which the bias never enters.
+    tokens, experts, k = 30, 8, 3
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32)
+    bias = rng.standard_normal(experts).astype(np.float32) * 0.1
+    bias[[2, 5]] = np.nan
+    opts = dict(scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5)
+    if groups:
+        opts.update(num_expert_group=groups[0], topk_group=groups[1])
+    weights, ids = backend.route(logits, k, e_score_correction_bias=jnp.asarray(bias), **opts)
+    # The same choice as with those experts masked out by a -inf bias.
+    masked = np.where(np.isnan(bias), -np.inf, bias)
+    w_ref, ids_ref = backend.route(logits, k, e_score_correction_bias=jnp.asarray(masked), **opts)
+    assert not np.isin(np.asarray(ids), [2, 5]).any()
+    assert_equal(ids, ids_ref, "ids")
+    assert_close(weights, w_ref, jnp.float32, "weights")
+
+
+def test_route_nan_bias_agrees_across_backends(rng):
+    tokens, experts, k = 25, 16, 4
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32)
+    bias = rng.standard_normal(experts).astype(np.float32) * 0.1
+    bias[[0, 7, 8]] = np.nan
+    outs = [b.route(logits, k, scoring_func="sigmoid", e_score_correction_bias=jnp.asarray(bias),
+                    num_expert_group=4, topk_group=2) for b in BACKENDS.values()]
+    assert_equal(outs[0][1], outs[1][1], "ids: ffi against reference")
+    assert_close(outs[0][0], outs[1][0], jnp.float32, "weights: ffi against reference")
+
+
 ROUTE_EDGES = {  # (T, E, k, experts the logits favour: None for all)
     "one_token": (1, 8, 2, None),
     "one_expert": (5, 1, 1, None),

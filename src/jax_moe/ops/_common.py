@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import tuning
+from jax_moe._int32 import index_int32
 
 # The router kernels' scoring codes.
 SCORING = {"softmax": 0, "sigmoid": 1}
@@ -40,7 +41,7 @@ def inverse_map(index, size: int):
     order); repeated[i] says that index[i] names a j whose inverse is
     another i. Both on the device, for backward passes that must stay exact
     when a map (unlike step 2's) names one place twice."""
-    index = index.astype(jnp.int32)
+    index = index_int32(index)
     pos = jnp.arange(index.shape[0], dtype=jnp.int32)
     at = jnp.where((index >= 0) & (index < size), index, size)  # `size`: dropped
     inverse = jnp.full((size,), -1, jnp.int32).at[at].max(pos, mode="drop")

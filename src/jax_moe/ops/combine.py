@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jax_moe import _checks
 from jax_moe.ops._common import inverse_map, sds
+from jax_moe._int32 import index_int32
 
 
 def moe_combine(y, topk_weights, src_to_dst):
@@ -24,7 +25,7 @@ def _combine_call(y, topk_weights, src_to_dst):
     tokens = topk_weights.shape[0]
     call = jax.ffi.ffi_call(
         "jax_moe_combine", sds((tokens, y.shape[1]), y.dtype), vmap_method="sequential")
-    return call(y, topk_weights.astype(jnp.float32), src_to_dst.astype(jnp.int32))
+    return call(y, topk_weights.astype(jnp.float32), index_int32(src_to_dst))
 
 
 def _combine(y, topk_weights, src_to_dst, dst_to_src=None):
@@ -57,7 +58,7 @@ def _combine_vjp_bwd(res, g):
     # slot (max is order-free), and a slot sharing its row with another
     # (which step 2 never makes) is added after with an XLA scatter-add.
     # No jax.lax.cond: on the GPU its predicate would be copied to the host.
-    s2d = s2d.astype(jnp.int32)
+    s2d = index_int32(s2d)
     inverse, shared = inverse_map(s2d, rows)
     dy, dw = _combine_bwd(g, y, w, s2d, inverse)
     k = w.shape[1]
@@ -84,4 +85,4 @@ def _combine_bwd(g, y, topk_weights, src_to_dst, dst_to_src):
         (sds(y.shape, y.dtype), sds(topk_weights.shape, jnp.float32)),
         vmap_method="sequential")
     return call(g.astype(y.dtype), y, topk_weights.astype(jnp.float32),
-                src_to_dst.astype(jnp.int32), dst_to_src.astype(jnp.int32))
+                index_int32(src_to_dst), index_int32(dst_to_src))

@@ -12,6 +12,7 @@ import numpy as np
 from jax_moe import _checks
 from jax_moe.ops._common import inverse_map, sds
 from jax_moe.ops.combine import _combine_call
+from jax_moe._int32 import index_int32
 
 
 def moe_expand_input(x, dst_to_src, topk: int):
@@ -45,7 +46,7 @@ def _expand_call(x, dst_to_src, k: int):
     call = jax.ffi.ffi_call(
         "jax_moe_expand", sds((dst_to_src.shape[0], x.shape[1]), x.dtype),
         vmap_method="sequential")
-    return call(x, dst_to_src.astype(jnp.int32), topk=np.int64(k))
+    return call(x, index_int32(dst_to_src), topk=np.int64(k))
 
 
 def gather_transpose(g, dst_to_src, k: int, tokens: int, src_to_dst=None):
@@ -65,7 +66,7 @@ def gather_transpose(g, dst_to_src, k: int, tokens: int, src_to_dst=None):
     # combine kernel; every other row naming a taken slot is added after.
     inverse, extra = inverse_map(dst_to_src, n)
     out = _combine_call(g, jnp.ones((tokens, k), jnp.float32), inverse)
-    token = jnp.where(extra, dst_to_src.astype(jnp.int32) // k, tokens)
+    token = jnp.where(extra, index_int32(dst_to_src) // k, tokens)
     dup = jnp.zeros((tokens, g.shape[1]), jnp.float32).at[token].add(
         g.astype(jnp.float32), mode="drop")
     return (out.astype(jnp.float32) + dup).astype(g.dtype)

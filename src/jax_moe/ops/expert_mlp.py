@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks, tuning
 from jax_moe.ops._common import gemm_tile, sds
 from jax_moe.ops.activation import _activation_call, activation_vjp
 from jax_moe.ops.group_gemm import _group_gemm_call, group_gemm_vjp
+from jax_moe._int32 import index_int32
 
 
 def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: str = "silu",
@@ -103,7 +103,7 @@ def _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: s
         "jax_moe_expert_mlp",
         (sds((m, hidden), x.dtype), sds((m, n1), x.dtype), sds((m, inter), x.dtype)),
         vmap_method="sequential")
-    out, h, _ = call(x, w13, w2, expert_sizes.astype(jnp.int32), dst_to_src.astype(jnp.int32),
+    out, h, _ = call(x, w13, w2, index_int32(expert_sizes), index_int32(dst_to_src),
                      topk=np.int64(k), activation=np.int64(_checks.ACTIVATIONS[activation]),
                      gated=bool(is_gated), tile_m1=np.int64(t1), tile_m2=np.int64(t2))
     return out, h

@@ -13,6 +13,7 @@ from jax_moe._ffi import _ext
 from jax_moe.ops._common import gemm_tile, sds
 from jax_moe.ops.expand import gather_transpose
 from jax_moe.ops.group_gemm_wgrad import _group_gemm_wgrad
+from jax_moe._int32 import index_int32
 
 
 def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
@@ -108,7 +109,7 @@ def _group_gemm_call(x, w, expert_sizes, rows, topk: int, tile, w_kn: bool = Fal
     call = jax.ffi.ffi_call(
         "jax_moe_group_gemm", (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
         vmap_method="sequential")
-    rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
-    out, _ = call(x, w, expert_sizes.astype(jnp.int32), rows, gather=gather,
+    rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
+    out, _ = call(x, w, index_int32(expert_sizes), rows, gather=gather,
                   topk=np.int64(topk), tile_m=np.int64(tile), w_kn=w_kn)
     return out

@@ -9,6 +9,7 @@ import numpy as np
 from jax_moe import _checks, tuning
 from jax_moe._ffi import _ext
 from jax_moe.ops._common import sds
+from jax_moe._int32 import index_int32
 
 
 def group_gemm_wgrad(dy, x, expert_sizes, *, dst_to_src=None, topk: int = 1):
@@ -40,7 +41,7 @@ def _group_gemm_wgrad(dy, x, expert_sizes, rows, topk: int):
     call = jax.ffi.ffi_call(
         "jax_moe_group_gemm_wgrad", (sds((experts, n, k), dy.dtype), sds((scratch,), jnp.uint8)),
         vmap_method="sequential")
-    rows = rows.astype(jnp.int32) if gather else jnp.zeros((0,), jnp.int32)
-    dw, _ = call(dy, x, expert_sizes.astype(jnp.int32), rows, gather=gather,
+    rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
+    dw, _ = call(dy, x, index_int32(expert_sizes), rows, gather=gather,
                  topk=np.int64(topk))
     return dw

@@ -9,6 +9,7 @@ import numpy as np
 from jax_moe import _checks
 from jax_moe._ffi import INDEX_CHUNK
 from jax_moe.ops._common import sds
+from jax_moe._int32 import index_int32
 
 
 def moe_compute_token_index(topk_ids, num_experts: int, *, start_expert: int = 0,
@@ -39,6 +40,6 @@ def _token_index(topk_ids, num_experts: int, start: int, local: int):
     # Integer in, integer out: no gradient (stop_gradient keeps autodiff from
     # asking the custom call for a JVP when ids come out of a differentiated op).
     src_to_dst, dst_to_src, sizes, _ = call(
-        jax.lax.stop_gradient(topk_ids).astype(jnp.int32), num_experts=np.int64(num_experts),
+        index_int32(jax.lax.stop_gradient(topk_ids)), num_experts=np.int64(num_experts),
         start_expert=np.int64(start))
     return src_to_dst, dst_to_src, sizes

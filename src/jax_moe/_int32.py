@@ -1,0 +1,31 @@
+"""Integer index and size arguments as int32, saturated rather than wrapped.
+
+The kernels index rows, slots, experts and pages with int32. An index array
+of a wider type (int64 under jax_enable_x64, uint32, uint64, or a NumPy
+int64 array) is clipped into int32's range before the cast: a value past
+it becomes 2**31 - 1 or -2**31, which every op treats as out of range (an
+expert id or row that is dropped, a size that clamps to the rows there
+are), where a plain astype would wrap it onto a valid index (2**32 + 1 onto
+1).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+_I32 = np.iinfo(np.int32)
+
+
+def index_int32(x):
+    """x (any integer dtype) as int32, saturated to int32's range."""
+    dt = np.dtype(x.dtype)
+    info = np.iinfo(dt)
+    if info.min >= _I32.min and info.max <= _I32.max:
+        return jnp.asarray(x).astype(jnp.int32)
+    lo, hi = max(int(info.min), int(_I32.min)), min(int(info.max), int(_I32.max))
+    if isinstance(x, np.ndarray):
+        # Clipped here: JAX would wrap a NumPy int64 array into int32 on
+        # the way in when x64 is off.
+        return jnp.asarray(np.clip(x, lo, hi).astype(np.int32))
+    return jnp.clip(x, np.array(lo, dt), np.array(hi, dt)).astype(jnp.int32)
