@@ -223,6 +223,8 @@ def _token_index(topk_ids, num_experts: int, start: int, local: int):
 
 
 def _expand(x, dst_to_src, k: int):
+    if x.shape[0] == 0:  # no tokens: every entry is out of range (nothing to gather from)
+        return jnp.zeros((dst_to_src.shape[0], x.shape[1]), x.dtype)
     valid = (dst_to_src >= 0) & (dst_to_src < x.shape[0] * k)
     rows = x[jnp.where(valid, dst_to_src, 0) // k]
     return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
