@@ -115,3 +115,20 @@ def split_sizes(rng, rows, groups, how):
 
 
 SPLITS = ["exact", "under", "over", "one"]
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
+
+
+@st.composite
+def routing_options(draw, experts, k):
+    """Keyword arguments of route: scoring, renormalize, scale, and expert
+    groups where E splits into groups that can still hold k experts."""
+    kw = dict(scoring_func=draw(st.sampled_from(["softmax", "sigmoid"])),
+              renormalize=draw(st.booleans()),
+              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5, 0.125])))
+    groups = [g for g in range(2, experts + 1) if experts % g == 0]
+    if groups and draw(st.booleans()):
+        g = draw(st.sampled_from(groups))
+        per = experts // g
+        tg = draw(st.integers(-(-k // per), g))
+        kw.update(num_expert_group=g, topk_group=tg)
+    return kw

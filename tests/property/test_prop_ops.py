@@ -10,13 +10,11 @@ from hypothesis import given, strategies as st
 import jax_moe
 from common import assert_close, assert_equal, normal, ref, rel_err
 from jax_moe import ops, reference
-from property_common import (MARKS, NORM_TOL, SPLITS, dtypes, experts_topk, local_range,
-                             routing_logits, scaled, seeds, sizes, split_sizes)
+from property_common import (ACTIVATIONS, MARKS, NORM_TOL, SPLITS, dtypes, experts_topk,
+                             local_range, routing_logits, routing_options, scaled, seeds, sizes,
+                             split_sizes)
 
 pytestmark = MARKS
-
-ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
-
 
 def _jit(fn, *static):
     return jax.jit(fn, static_argnames=static)
@@ -43,22 +41,6 @@ ops_layer = _jit(ops.moe_layer, "topk", "scoring_func", "renormalize", "num_expe
                  "topk_group", "routed_scaling_factor", "activation", "is_gated")
 ops_decode = _jit(ops.moe_decode, "topk", "renormalize", "routed_scaling_factor")
 ref_decode = _jit(reference.moe_decode, "topk", "renormalize", "routed_scaling_factor")
-
-
-@st.composite
-def routing_options(draw, experts, k):
-    """Keyword arguments of route: scoring, renormalize, scale, and expert
-    groups where E splits into groups that can still hold k experts."""
-    kw = dict(scoring_func=draw(st.sampled_from(["softmax", "sigmoid"])),
-              renormalize=draw(st.booleans()),
-              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5, 0.125])))
-    groups = [g for g in range(2, experts + 1) if experts % g == 0]
-    if groups and draw(st.booleans()):
-        g = draw(st.sampled_from(groups))
-        per = experts // g
-        tg = draw(st.integers(-(-k // per), g))
-        kw.update(num_expert_group=g, topk_group=tg)
-    return kw
 
 
 def _ids(rng, tokens, experts, k, routing):
