@@ -251,9 +251,12 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
                         max_seqlen=max_seqlen)
     impl = path.removesuffix("_padded")
     dtype = q.dtype
-    if impl == "xla" and jnp.dtype(dtype) == jnp.dtype(jnp.float16) and _platform() == "cpu":
+    if (impl == "xla" and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+            and _platform() == "cpu"):
         # XLA:CPU has no f16 x f16 -> f32 dot_general (which jax's XLA attention
-        # emits under jit): compute in f32 there, round once at the end.
+        # emits under jit), nor bf16 x bf16 -> f32 where it emits the dot
+        # elementwise (small dots: one head, one row): compute in f32 there,
+        # round once at the end.
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
     if path.endswith("_padded"):
         out = _prefill_padded(q, k, v, cu_seqlens, int(max_seqlen), causal=causal, scale=scale,

@@ -101,6 +101,8 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None):
     n, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    if n == 0:  # no tokens: nothing to attend (the reductions below need a row)
+        return jnp.zeros((0, hq, v.shape[2]), q.dtype)
     seg = segment_ids(cu_seqlens, n)
     mask = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
     if causal:

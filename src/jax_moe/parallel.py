@@ -271,6 +271,8 @@ def _forward(hidden_states, router_logits, w13, w2, shared, bias, *, plan: _Plan
     mesh = plan.mesh
     n_dev = mesh.size
     tokens, hidden = hidden_states.shape
+    if tokens == 0:  # nothing to route (and no rows for the reduce-scatter to split)
+        return jnp.zeros((0, hidden), hidden_states.dtype)
     padded = -(-tokens // n_dev) * n_dev
     if padded != tokens:
         # Padded rows are routed like any row by the router, then their ids are

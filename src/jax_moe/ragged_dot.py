@@ -67,10 +67,14 @@ def _local_groups(lhs, rhs, sizes, offset):
     the top, multiplied, and rotated back (the rotation is a row permutation,
     so its gradient is the opposite rotation)."""
     m = lhs.shape[0]
-    count = jnp.maximum(sizes, 0)
+    count = jnp.clip(sizes, 0, m)  # clipped to m first: the sums below cannot wrap
     offset = jnp.clip(offset, 0, sizes.shape[0] - rhs.shape[0])
     shift = jnp.minimum(jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, count, 0)), m)
     local = jax.lax.dynamic_slice(count, (offset,), (rhs.shape[0],))
+    # The local groups end at row m - shift of the rotated rows: past it the
+    # rotation wraps around to the first groups' rows, which must stay zero.
+    end = jnp.minimum(jnp.cumsum(local), m - shift)
+    local = end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
     out = _ragged_dot(jnp.roll(lhs, -shift, axis=0), rhs, local)
     # Rows past the local groups are zero, and at least `shift` of them
     # (local rows <= m - shift): rotated back, they fill the other groups' rows.

@@ -410,3 +410,15 @@ def test_one_gpu_mesh_uses_cuda_kernels(rng, dtype):
         want = _moe_forward(x, logits, w13, w2, topk=K)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2)], ids=["ep8-tp1", "ep4-tp2"])
+def test_zero_tokens(ep, tp, strategy, jit, rng):
+    """No tokens: an empty output (the reduce-scatter of the allgather
+    strategy cannot split zero rows, so nothing runs)."""
+    x, logits, w13, w2 = make_inputs(rng, 0, jnp.float32)
+    fn = _sharded if jit else moe_forward_sharded
+    out = fn(x, logits, w13, w2, K, mesh=make_mesh(ep, tp), strategy=strategy)
+    assert out.shape == (0, H) and out.dtype == jnp.float32
