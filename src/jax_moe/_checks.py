@@ -5,8 +5,9 @@ moe_forward_sharded, makes ONE call to an ``*_args`` function here: it checks
 every argument once and returns the normalised static values (ints, a
 ``Routing``, a ``Layer``) that the unchecked implementations take. Composite
 entry points check once and compose unchecked implementations, so no
-argument is checked twice. The small checks at the top (rank, dtype, static
-ints) are the building blocks, shared with _attention_checks.py.
+argument is checked twice. The building blocks (rank, dtype, static ints,
+floats and bools) live in _check_basics.py, shared with _attention_checks.py,
+and are re-exported here.
 
 Every check runs at trace time on shapes and dtypes only, so it costs nothing
 under jax.jit and raises before any kernel runs. moe_decode's kernel limits
@@ -16,16 +17,16 @@ live here only (``DECODE_LIMITS``, read from the extension).
 from __future__ import annotations
 
 import dataclasses
-import operator
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe._check_basics import (FLOAT_DTYPES, float_dtype, int_dtype, is_array,  # noqa: F401
+                                   rank, same_dtype, static_bool, static_float, static_int)
 from jax_moe._ffi import _ext
 
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 SCORING_FUNCS = ("softmax", "sigmoid")
 # The CUDA route and token_index kernels keep one row of per-expert state in
@@ -71,61 +72,7 @@ class Layer:
     remat: bool = False  # the backward recomputes the w13 GEMM instead of keeping it
 
 
-# ---- building blocks --------------------------------------------------------
-
-def is_array(x, name: str) -> None:
-    """An array (JAX, NumPy or a tracer), not a list or a Python scalar: the
-    checks below read its shape and dtype."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray), "
-                        f"got {type(x).__name__}")
-
-
-def rank(x, name: str, want: int) -> None:
-    is_array(x, name)
-    if jnp.ndim(x) != want:
-        raise ValueError(f"{name} must have rank {want}, got shape {jnp.shape(x)}")
-
-
-def float_dtype(x, name: str) -> None:
-    is_array(x, name)
-    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-
-
-def int_dtype(x, name: str) -> None:
-    is_array(x, name)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-
-
-def same_dtype(a, a_name: str, b, b_name: str) -> None:
-    if a.dtype != b.dtype:
-        raise TypeError(f"{b_name} ({b.dtype}) must have the dtype of {a_name} ({a.dtype})")
-
-
-def static_int(value, name: str) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be a Python int (a static argument), got {value!r}") from None
-
-
-def static_float(value, name: str) -> float:
-    """A Python or NumPy real number (a static argument), as a float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                         np.floating)):
-        raise TypeError(f"{name} must be a Python float (a static argument), got {value!r}")
-    return float(value)
-
-
-def static_bool(value, name: str) -> bool:
-    """True or False (Python or NumPy), as a bool: a string such as "False"
-    would otherwise read as True."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False (a static argument), got {value!r}")
-    return bool(value)
-
+# ---- building blocks (_check_basics) and bounds -----------------------------
 
 def num_experts_bound(num_experts: int, name: str) -> None:
     if num_experts > MAX_EXPERTS:
