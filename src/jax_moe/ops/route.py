@@ -19,6 +19,9 @@ def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormaliz
     semantics of ``reference.route``, in one FFI call.
 
     router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
+    A NaN logit counts as -inf; a NaN choice value (a NaN correction bias)
+    ranks below -inf, so that expert is never preferred; ties go to the
+    lower expert id. The same rule on every backend.
     """
     routing = _checks.route_args(
         router_logits, topk, scoring_func=scoring_func, renormalize=renormalize,
@@ -32,6 +35,9 @@ def topk_softmax(router_logits, topk: int, renormalize: bool = True):
     """Step 1 with softmax scoring: route(router_logits, topk, renormalize=renormalize).
 
     router_logits (T, E) float -> (weights (T, k) float32, ids (T, k) int32).
+    A NaN logit counts as -inf; a NaN choice value (a NaN correction bias)
+    ranks below -inf, so that expert is never preferred; ties go to the
+    lower expert id. The same rule on every backend.
     """
     routing = _checks.route_args(router_logits, topk, renormalize=renormalize)
     return _route(router_logits, None, routing)
