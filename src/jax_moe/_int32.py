@@ -11,6 +11,7 @@ are), where a plain astype would wrap it onto a valid index (2**32 + 1 onto
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,3 +30,13 @@ def index_int32(x):
         # the way in when x64 is off.
         return jnp.asarray(np.clip(x, lo, hi).astype(np.int32))
     return jnp.clip(x, np.array(lo, dt), np.array(hi, dt)).astype(jnp.int32)
+
+
+def owned_rows(sizes, m: int):
+    """The rows of m that each group owns, in group order, of group sizes
+    of any integer dtype: a size below 0 counts 0, and the running sum
+    saturates at m (a plain int32 cumsum of sizes near 2**31 would wrap and
+    hand rows to the wrong groups). The result sums to at most m."""
+    sizes = jnp.clip(index_int32(sizes), 0, m)
+    end = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+    return end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax_moe import _checks
 from jax_moe.ops.group_gemm import _group_gemm_call, matmul_kn
 from jax_moe.ops.group_gemm_wgrad import _group_gemm_wgrad
-from jax_moe._int32 import index_int32
+from jax_moe._int32 import index_int32, owned_rows
 
 __all__ = ["ragged_dot"]
 
@@ -67,14 +67,13 @@ def _local_groups(lhs, rhs, sizes, offset):
     the top, multiplied, and rotated back (the rotation is a row permutation,
     so its gradient is the opposite rotation)."""
     m = lhs.shape[0]
-    count = jnp.clip(sizes, 0, m)  # clipped to m first: the sums below cannot wrap
+    # Each group's rows of m in order: the local groups get what is left
+    # after the groups below them, and no more (past it the rotation would
+    # wrap around to the first groups' rows, which must stay zero).
+    owned = owned_rows(sizes, m)
     offset = jnp.clip(offset, 0, sizes.shape[0] - rhs.shape[0])
-    shift = jnp.minimum(jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, count, 0)), m)
-    local = jax.lax.dynamic_slice(count, (offset,), (rhs.shape[0],))
-    # The local groups end at row m - shift of the rotated rows: past it the
-    # rotation wraps around to the first groups' rows, which must stay zero.
-    end = jnp.minimum(jnp.cumsum(local), m - shift)
-    local = end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+    shift = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, owned, 0))
+    local = jax.lax.dynamic_slice(owned, (offset,), (rhs.shape[0],))
     out = _ragged_dot(jnp.roll(lhs, -shift, axis=0), rhs, local)
     # Rows past the local groups are zero, and at least `shift` of them
     # (local rows <= m - shift): rotated back, they fill the other groups' rows.

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
-from jax_moe._int32 import index_int32
+from jax_moe._int32 import index_int32, owned_rows
 
 __all__ = [
     "route",
@@ -246,12 +246,8 @@ def _expand(x, dst_to_src, k: int):
 
 
 def _clamped_sizes(expert_sizes, m: int):
-    """The rows each expert owns of m: sizes below 0 count 0, and the
-    cumulative sum saturates at m (an int32 sum of sizes near 2**31 would
-    wrap and give rows to the wrong experts)."""
-    sizes = jnp.clip(index_int32(expert_sizes), 0, m)
-    end = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
-    return end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+    """The rows of m each expert owns (the kernels' rule)."""
+    return owned_rows(expert_sizes, m)
 
 
 def _group_gemm(x, w, expert_sizes):
