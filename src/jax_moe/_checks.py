@@ -371,7 +371,7 @@ def moe_layer_args(hidden_states, router_logits, w13, w2, topk_value, *, scoring
                              topk_group, e_score_correction_bias, routed_scaling_factor)
     activation(activation_name)
     return Layer(routing=routing, activation=activation_name,
-                 is_gated=static_bool(is_gated, "is_gated"), tile_m=tile_pair(tile))
+                 is_gated=bool(is_gated), tile_m=tile_pair(tile))  # is_gated: checked above
 
 
 def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormalize,
@@ -386,7 +386,7 @@ def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormali
                              topk_group, e_score_correction_bias, routed_scaling_factor)
     _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
     return Layer(routing=routing, activation=activation_name,
-                 is_gated=static_bool(is_gated, "is_gated"))
+                 is_gated=bool(is_gated))  # is_gated: checked above
 
 
 def decode_limits(hidden_states, w13, w2, k: int) -> str | None:
