@@ -245,13 +245,8 @@ def _expand(x, dst_to_src, k: int):
     return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
 
 
-def _clamped_sizes(expert_sizes, m: int):
-    """The rows of m each expert owns (the kernels' rule)."""
-    return owned_rows(expert_sizes, m)
-
-
 def _group_gemm(x, w, expert_sizes):
-    sizes = _clamped_sizes(expert_sizes, x.shape[0])
+    sizes = owned_rows(expert_sizes, x.shape[0])
     out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes,
                              preferred_element_type=jnp.float32)
     # ragged_dot leaves rows past the last group undefined on some backends.
@@ -342,7 +337,7 @@ def _group_gemm_wgrad(dy, x, expert_sizes, rows, topk: int):
     m = dy.shape[0]
     if rows is not None:  # no tokens (T = 0): every row is a zero row
         x = _expand(x, rows, topk)
-    sizes = _clamped_sizes(expert_sizes, m)
+    sizes = owned_rows(expert_sizes, m)
     end = jnp.cumsum(sizes)
     r = jnp.arange(m, dtype=end.dtype)
     owned = ((r[None, :] >= (end - sizes)[:, None]) & (r[None, :] < end[:, None]))[..., None]
