@@ -56,7 +56,9 @@ def test_write_kv_v_head_dim_differs(rng, dtype, d, dv):
     pages, ps, hkv, n = 5, 16, 2, 12
     kp, vp = normal(rng, (pages, ps, hkv, d), dtype), normal(rng, (pages, ps, hkv, dv), dtype)
     k, v = normal(rng, (n, hkv, d), dtype), normal(rng, (n, hkv, dv), dtype)
-    s = rng.choice(pages * ps, size=n, replace=False).astype(np.int32)
+    # Distinct slots (duplicates race on the GPU): none of the random ones is
+    # the last slot, which s[1] takes.
+    s = rng.choice(pages * ps - 1, size=n, replace=False).astype(np.int32)
     s[:2] = [-1, pages * ps - 1]  # padding, the last slot
     slots = jnp.asarray(s)
     got = jax.jit(attention.write_kv)(kp, vp, k, v, slots)
