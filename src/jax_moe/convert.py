@@ -31,12 +31,14 @@ router.T`` (in f32 for DeepSeek-V3) and passes them to ``moe_forward``.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe import _checks
 from jax_moe.layer import MoEConfig
 
 __all__ = ["convert_moe_block", "config_from_hf", "detect_layout", "LAYOUTS"]
@@ -367,10 +369,23 @@ def config_from_hf(hf_config) -> MoEConfig:
             raise KeyError(f"hf_config has none of {names} (model_type {model_type!r})")
         return value
 
-    num_experts = int(need("num_experts", "num_local_experts", "n_routed_experts"))
-    topk = int(need("num_experts_per_tok"))
-    hidden = int(need("hidden_size"))
-    inter = int(need("moe_intermediate_size", "intermediate_size"))
+    def integer(value, name):  # 8.5 or "8" is an error, never truncated or parsed
+        try:
+            if not isinstance(value, bool):
+                return operator.index(value)
+        except TypeError:
+            pass
+        raise TypeError(f"hf_config[{name!r}] must be an int, got {value!r}")
+
+    def key_of(*names):
+        return next(n for n in names if cfg.get(n) is not None)
+
+    names = ("num_experts", "num_local_experts", "n_routed_experts")
+    num_experts = integer(need(*names), key_of(*names))
+    topk = integer(need("num_experts_per_tok"), "num_experts_per_tok")
+    hidden = integer(need("hidden_size"), "hidden_size")
+    names = ("moe_intermediate_size", "intermediate_size")
+    inter = integer(need(*names), key_of(*names))
 
     act_name = _first(cfg, "hidden_act", "hidden_activation", default="silu")
     if act_name not in _ACTIVATIONS:
@@ -380,6 +395,8 @@ def config_from_hf(hf_config) -> MoEConfig:
     renormalize = cfg.get("norm_topk_prob")
     if renormalize is None:
         renormalize = _RENORMALIZE_DEFAULT.get(model_type, True)
+    elif not isinstance(renormalize, bool):  # a string "false" would read as True
+        raise TypeError(f"hf_config['norm_topk_prob'] must be true or false, got {renormalize!r}")
 
     topk_method = cfg.get("topk_method")
     scoring = cfg.get("scoring_func") or ("sigmoid" if model_type == "deepseek_v3" else "softmax")
@@ -389,25 +406,28 @@ def config_from_hf(hf_config) -> MoEConfig:
         raise ValueError(
             "topk_method 'group_limited_greedy' (DeepSeek-V2: group score = max) is not supported; "
             "jax_moe's group score is the sum of each group's top-2 (DeepSeek-V3's 'noaux_tc')")
-    if topk_method == "greedy" or not groups or int(groups) <= 1:
+    if topk_method == "greedy" or groups is None or integer(groups, "n_group") <= 1:
         groups = topk_group = None
     else:
-        groups, topk_group = int(groups), int(topk_group if topk_group is not None else groups)
+        groups = integer(groups, "n_group")
+        topk_group = integer(topk_group if topk_group is not None else groups, "topk_group")
     use_bias = model_type == "deepseek_v3" or topk_method == "noaux_tc"
 
     scale = cfg.get("routed_scaling_factor")
     if scale is None:
         scale = 2.5 if model_type == "deepseek_v3" else 1.0
+    scale = _checks.static_float(scale, "hf_config['routed_scaling_factor']")
 
     shared, gated_shared = 0, False
     if cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE (Qwen3-Next): sigmoid-gated
-        shared, gated_shared = int(cfg["shared_expert_intermediate_size"]), True
+        shared = integer(cfg["shared_expert_intermediate_size"], "shared_expert_intermediate_size")
+        gated_shared = True
     elif cfg.get("n_shared_experts"):  # DeepSeek-V2/V3
-        shared = int(cfg["n_shared_experts"]) * inter
+        shared = integer(cfg["n_shared_experts"], "n_shared_experts") * inter
 
     return MoEConfig(
         num_experts=num_experts, topk=topk, hidden_size=hidden, intermediate_size=inter,
-        is_gated=True, renormalize=bool(renormalize), hidden_act=_ACTIVATIONS[act_name],
+        is_gated=True, renormalize=renormalize, hidden_act=_ACTIVATIONS[act_name],
         scoring_func=scoring, num_expert_group=groups, topk_group=topk_group,
-        routed_scaling_factor=float(scale), use_correction_bias=use_bias,
+        routed_scaling_factor=scale, use_correction_bias=use_bias,
         shared_intermediate_size=shared, shared_expert_gate=gated_shared)

@@ -152,6 +152,8 @@ class MoEConfig:
     shared_expert_gate: bool = False    # Qwen2-MoE's sigmoid gate on the shared expert
 
     def __post_init__(self):
+        for name in ("is_gated", "renormalize", "use_correction_bias", "shared_expert_gate"):
+            _checks.static_bool(getattr(self, name), name)  # "false" would read as True
         for name in ("num_experts", "topk", "hidden_size", "intermediate_size"):
             if _checks.static_int(getattr(self, name), name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

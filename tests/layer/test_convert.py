@@ -493,3 +493,35 @@ def test_import_does_not_need_flax():
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "pip install" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("key, value, exc, match", [
+    ("norm_topk_prob", "false", TypeError, "norm_topk_prob"),   # would read as True
+    ("norm_topk_prob", 0, TypeError, "norm_topk_prob"),
+    ("num_experts_per_tok", 2.5, TypeError, "num_experts_per_tok"),  # never truncated
+    ("num_experts_per_tok", "2", TypeError, "num_experts_per_tok"),
+    ("num_local_experts", 8.0, TypeError, "num_local_experts"),
+    ("hidden_size", True, TypeError, "hidden_size"),
+    ("routed_scaling_factor", "2.5", TypeError, "routed_scaling_factor"),
+    ("n_group", 4.5, TypeError, "n_group"),
+])
+def test_config_rejects_mistyped_fields(key, value, exc, match):
+    cfg = dict(HF_CONFIGS["mixtral"], **{key: value})
+    if key == "n_group":
+        cfg.update(topk_group=2, num_local_experts=8)
+    with pytest.raises(exc, match=match):
+        config_from_hf(cfg)
+
+
+def test_config_accepts_numpy_ints():
+    cfg = dict(HF_CONFIGS["mixtral"], num_experts_per_tok=np.int64(2))
+    assert config_from_hf(cfg).topk == 2
+
+
+@pytest.mark.parametrize("field", ["is_gated", "renormalize", "use_correction_bias",
+                                   "shared_expert_gate"])
+def test_moe_config_bool_fields_must_be_bools(field):
+    kwargs = dict(num_experts=8, topk=2, hidden_size=32, intermediate_size=16,
+                  shared_intermediate_size=8, **{field: "false"})
+    with pytest.raises(TypeError, match=field):
+        MoEConfig(**kwargs)
