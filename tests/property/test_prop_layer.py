@@ -125,7 +125,14 @@ def test_grad(case):
     ct = normal(np.random.default_rng(0), arrays["hidden_states"].shape, jnp.float32)
     got = grads(arrays, ct, tuple(sorted({**kw, "backend": "ffi"}.items())))
     want = grads(arrays, ct, tuple(sorted({**kw, "backend": "reference"}.items())))
+    # A gradient that is zero in exact arithmetic (top-1 with renormalisation:
+    # every weight is 1, whatever the logits) is rounding noise of either sign
+    # on both backends: then both must be that small, against the cotangent.
+    noise = 1e-5 * float(np.linalg.norm(np.asarray(ct, np.float64)))
     for name in got:
         assert got[name].shape == arrays[name].shape, name
+        if np.linalg.norm(np.asarray(want[name], np.float64)) < noise:
+            assert np.linalg.norm(np.asarray(got[name], np.float64)) < noise, f"d {name}: not ~0"
+            continue
         err = rel_err(got[name], want[name])
         assert err <= NORM_TOL[jnp.dtype(dtype)], f"d {name}: relative error {err:.3g}"
