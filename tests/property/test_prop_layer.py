@@ -129,10 +129,20 @@ def test_grad(case):
     # every weight is 1, whatever the logits) is rounding noise of either sign
     # on both backends: then both must be that small, against the cotangent.
     noise = 1e-5 * float(np.linalg.norm(np.asarray(ct, np.float64)))
+    # In bf16/f16 the two backends round the same intermediates but sum in
+    # other orders; where a gradient is a sum of terms that nearly cancel (one
+    # token, H = 2) one ulp of a term is many of the result. So the bound is
+    # the tolerance plus twice the reference's own error against the same
+    # gradient computed in f32 (the backends may differ by both their errors).
+    want32 = want
+    if jnp.dtype(dtype) != jnp.float32:
+        up = {n: a.astype(jnp.float32) for n, a in arrays.items()}
+        want32 = grads(up, ct, tuple(sorted({**kw, "backend": "reference"}.items())))
     for name in got:
         assert got[name].shape == arrays[name].shape, name
         if np.linalg.norm(np.asarray(want[name], np.float64)) < noise:
             assert np.linalg.norm(np.asarray(got[name], np.float64)) < noise, f"d {name}: not ~0"
             continue
         err = rel_err(got[name], want[name])
-        assert err <= NORM_TOL[jnp.dtype(dtype)], f"d {name}: relative error {err:.3g}"
+        bound = NORM_TOL[jnp.dtype(dtype)] + 2 * rel_err(want[name], want32[name])
+        assert err <= bound, f"d {name}: relative error {err:.3g} > {bound:.3g}"
