@@ -68,6 +68,17 @@ constexpr int kPrepThreads = 128;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 
+// The epilogue's subtile. CUTLASS's choice for the cooperative 128x256 tile
+// is 128x32: eight 8 KB stores a tile, two in flight. JAX_MOE_WGRAD_EPILOGUE_N
+// is a benchmark-only switch (benchmarks/kernels, the wgrad_bench_epi*
+// executables) that sets the subtile's N instead; the shipped objects never
+// see it.
+#ifdef JAX_MOE_WGRAD_EPILOGUE_N
+using WgradEpilogueTile = Shape<_128, Int<JAX_MOE_WGRAD_EPILOGUE_N>>;
+#else
+using WgradEpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+#endif
+
 template <typename Element>
 struct WgradGemm {
   using LayoutA = cutlass::layout::ColumnMajor;  // dy_e^T, M-major
@@ -78,8 +89,7 @@ struct WgradGemm {
   static constexpr int kAlignment = 8;  // 16 bytes, as TMA needs
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlignment,  // no C: D = alpha * acc
+      WgradEpilogueTile, float, float, void, LayoutD*, kAlignment,  // no C: D = alpha * acc
       Element, LayoutD*, kAlignment, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
