@@ -26,6 +26,7 @@ import numpy as np
 from jax_moe._check_basics import (FLOAT_DTYPES, float_dtype, int_dtype, is_array,  # noqa: F401
                                    rank, same_dtype, static_bool, static_float, static_int)
 from jax_moe._ffi import _ext
+from jax_moe import fp8
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -232,6 +233,22 @@ def group_gemm_args(x, w, expert_sizes, tile) -> int | None:
     float_dtype(x, "x")
     _weight_match(x, w, expert_sizes)
     return tile_m(tile)
+
+
+def group_gemm_fp8_args(x, w, w_scale, expert_sizes) -> None:
+    """group_gemm_fp8's arguments: x (M, K) float, w (E, N, K) float8_e4m3fn
+    with its block scales w_scale (E, ceil(N/128), ceil(K/128)) f32."""
+    rank(x, "x", 2)
+    _weight_ranks(w, expert_sizes)
+    float_dtype(x, "x")
+    fp8.check_block_scales(w, w_scale, "w", "w_scale")
+    int_dtype(expert_sizes, "expert_sizes")
+    if w.shape[2] != x.shape[1]:
+        raise ValueError(f"w must be (E, N, K={x.shape[1]}) to match x, got {w.shape}")
+    if expert_sizes.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), "
+            f"got {expert_sizes.shape[0]}")
 
 
 def group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk_value, tile) -> tuple:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe import _checks
+from jax_moe import _checks, fp8
 from jax_moe._int32 import index_int32, owned_rows
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "moe_decode",
     "group_gemm_wgrad",
 ]
+# group_gemm_fp8 (below) is the block-scaled fp8 recipe's definition; it has
+# no kernel in jax_moe.ops, so it is outside __all__ (the twins of ops).
 
 
 def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
@@ -80,6 +82,17 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     tile_m is accepted for signature parity with ops and checked, not used."""
     _checks.group_gemm_args(x, w, expert_sizes, tile_m)
     return _group_gemm(x, w, expert_sizes)
+
+
+def group_gemm_fp8(x, w, w_scale, expert_sizes):
+    """group_gemm with block-scaled fp8 weights, the DeepSeek-V3 recipe: w
+    (E, N, K) float8_e4m3fn with one f32 scale per 128 x 128 block, w_scale
+    (E, ceil(N/128), ceil(K/128)) (dequantised weight = value x scale); each
+    row of x (M, K) quantised to e4m3 per 128 channels (jax_moe.fp8.
+    quantize_rows); f32 accumulation with both scales applied per K block
+    -> (M, N) in x's dtype. Rows are owned as in group_gemm."""
+    _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes)
+    return _group_gemm_fp8(x, w, w_scale, expert_sizes)
 
 
 def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
@@ -253,6 +266,15 @@ def _group_gemm(x, w, expert_sizes):
     rows = jnp.arange(x.shape[0])
     out = jnp.where((rows < jnp.sum(sizes))[:, None], out, 0.0)
     return out.astype(x.dtype)
+
+
+def _group_gemm_fp8(x, w, w_scale, expert_sizes):
+    # The per-block sums sx * sw * sum(xq * wq) equal sum((xq sx) (wq sw)):
+    # each product of two e4m3 values is exact in f32, so the twin runs the
+    # f32 grouped GEMM on both operands dequantised.
+    xq = fp8.dequantize_rows(*fp8.quantize_rows(x))
+    wq = fp8.dequantize_blocks(w, w_scale)
+    return _group_gemm(xq, wq, expert_sizes).astype(x.dtype)
 
 
 def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,
