@@ -25,6 +25,9 @@ In every layout the routed experts may also come already fused, as newer
 transformers releases store them: ``experts.gate_up_proj`` (E, 2*I, H) =
 concat(gate, up) and ``experts.down_proj`` (E, H, I).
 
+Block-scaled fp8 weights (``weight`` in float8_e4m3fn beside its
+``weight_scale_inv``) are dequantised on the host to the requested dtype.
+
 The router is not applied here: the model computes ``router_logits = x @
 router.T`` (in f32 for DeepSeek-V3) and passes them to ``moe_forward``.
 """
@@ -33,12 +36,13 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import _checks
+from jax_moe import _checks, fp8
 from jax_moe.layer import MoEConfig
 
 __all__ = ["convert_moe_block", "config_from_hf", "detect_layout", "LAYOUTS"]
@@ -69,7 +73,7 @@ def _shape_str(shape) -> str:
 class _Block:
     """The state dict seen through the prefix, with checked access."""
 
-    def __init__(self, state_dict, prefix: str):
+    def __init__(self, state_dict, prefix: str, dequantize_to=None):
         if not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
             raise TypeError(
                 f"state_dict must be a mapping of names to arrays, got {type(state_dict).__name__}")
@@ -79,6 +83,7 @@ class _Block:
                       if isinstance(k, str) and k.startswith(prefix)]
         self.names = set(self.local)
         self.used: set[str] = set()
+        self.dequantize_to = dequantize_to  # the dtype fp8 weights become (None: an error)
 
     def full(self, name: str) -> str:
         return self.prefix + name
@@ -94,6 +99,8 @@ class _Block:
             raise KeyError(f"missing key {key!r}{hint}")
         arr = _as_numpy(self.sd[key], key)
         self.used.add(name)
+        if arr.dtype == fp8.FP8:
+            arr = self._dequantized(name, arr)
         if shape is not None:
             rank = len(shape)
         if rank is not None and arr.ndim != rank:
@@ -105,6 +112,26 @@ class _Block:
         return arr
 
 
+    def _dequantized(self, name: str, values: np.ndarray) -> np.ndarray:
+        """An fp8 weight times its 128 x 128 block scales (`name`_scale_inv),
+        in self.dequantize_to."""
+        key, scale_name = self.full(name), name + "_scale_inv"
+        if values.ndim != 2:
+            raise ValueError(f"{key!r} is float8_e4m3fn with shape {values.shape}: block-scaled "
+                             f"fp8 weights are read per expert (rank 2) only")
+        if scale_name not in self.names:
+            raise KeyError(f"missing key {self.full(scale_name)!r}: {key!r} is float8_e4m3fn "
+                           f"and needs its 128 x 128 block scales")
+        if self.dequantize_to is None:
+            raise ValueError(f"{key!r} is a block-scaled fp8 weight: pass dtype= (e.g. "
+                             f"jnp.bfloat16) to convert it dequantised")
+        n, k = values.shape
+        scales = self.get(scale_name, (fp8.blocks(n), fp8.blocks(k)),
+                          what="the weight's 128 x 128 block scales").astype(np.float32)
+        full = np.repeat(np.repeat(scales, fp8.BLOCK, axis=0), fp8.BLOCK, axis=1)[:n, :k]
+        return (values.astype(np.float32) * full).astype(self.dequantize_to)
+
+
 def _as_numpy(value, key: str) -> np.ndarray:
     """numpy view/copy of an array-like (numpy, jax, torch, anything with
     __array__); torch bfloat16 goes through float32 (exact)."""
@@ -112,6 +139,8 @@ def _as_numpy(value, key: str) -> np.ndarray:
         value = value.detach().cpu()
         if str(getattr(value, "dtype", "")) == "torch.bfloat16":
             value = value.float().numpy().astype(jnp.bfloat16)
+        elif str(getattr(value, "dtype", "")) == "torch.float8_e4m3fn":  # numpy has no fp8
+            value = value.view(sys.modules["torch"].uint8).numpy().view(fp8.FP8)
     try:
         arr = np.asarray(value)
     except Exception as e:  # noqa: BLE001 - re-raised with the key's name
@@ -234,8 +263,8 @@ def _unrecognised(b: _Block, layout: str, names) -> None:
     if bad:
         raise ValueError(
             f"unrecognised keys in the {layout!r} MoE block: {[b.full(n) for n in bad[:8]]}"
-            f"{' ...' if len(bad) > 8 else ''} (biases and quantisation scales are not "
-            f"supported: dequantise first)")
+            f"{' ...' if len(bad) > 8 else ''} (biases are not supported, nor quantisation "
+            f"scales other than a float8_e4m3fn weight's own `weight_scale_inv`)")
 
 
 def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | None = None,
@@ -263,9 +292,14 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
 
     Raises KeyError for a missing name (experts must be numbered 0..E-1, E
     being gate.weight's rows), ValueError for a misshapen array, an unknown
-    layout or an unrecognised key of the block (e.g. FP8 ``weight_scale_inv``
-    tensors: dequantise first), TypeError for a non-float array. Every message
-    names the full key and, for shapes, the expected shape.
+    layout or an unrecognised key of the block (a bias, say), TypeError for a
+    non-float array. Every message names the full key and, for shapes, the
+    expected shape.
+
+    FP8 checkpoints (DeepSeek-V3, Qwen3-MoE FP8): a ``float8_e4m3fn`` weight
+    with its ``weight_scale_inv`` (one f32 scale per 128 x 128 block, shape
+    (ceil(rows/128), ceil(cols/128))) is converted dequantised (value x its
+    block's scale, computed in f32) to `dtype`, which must then be given.
     """
     prefix = _norm_prefix(prefix)
     if layout is not None and layout not in LAYOUTS:
@@ -274,12 +308,13 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
-    b = _Block(state_dict, prefix)
+    b = _Block(state_dict, prefix, dtype)
     if layout is None:
         layout = _detect(b)
 
     # Fail fast (before reading any expert) on biases and quantisation scales.
-    _unrecognised(b, layout, [n for n in b.names if not n.endswith(".weight")
+    weight_like = (".weight", ".weight_scale_inv")
+    _unrecognised(b, layout, [n for n in b.names if not n.endswith(weight_like)
                               and n not in _NON_WEIGHT_NAMES])
 
     router = b.get("gate.weight", rank=2, what="router weight (E, H)")

@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -525,3 +526,78 @@ def test_moe_config_bool_fields_must_be_bools(field):
                   shared_intermediate_size=8, **{field: "false"})
     with pytest.raises(TypeError, match=field):
         MoEConfig(**kwargs)
+
+
+# ---- FP8 checkpoints (block-scaled float8_e4m3fn weights) -------------------
+
+def _fp8_weight(rng, rows, cols):
+    """(e4m3 values, f32 block scales) with 128 x 128 blocks; one block's
+    scale 0, one huge."""
+    values = (rng.standard_normal((rows, cols)) * 100).clip(-448, 448)
+    values = values.astype(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(0.5, 2.0, (-(-rows // 128), -(-cols // 128))).astype(np.float32)
+    scales.flat[0] = 0.0
+    scales.flat[-1] = 1e30
+    return values, scales
+
+
+def _np_dequantized(values, scales, dtype):
+    """Each value times its block's scale, in f32, then `dtype`."""
+    rows, cols = values.shape
+    full = np.kron(scales, np.ones((128, 128), np.float32))[:rows, :cols]
+    return (values.astype(np.float32) * full).astype(dtype)
+
+
+def _fp8_deepseek(rng, e=3, h=200, i=136, i_s=136):
+    """A DeepSeek-V3 FP8 block: routed and shared experts in e4m3 with
+    weight_scale_inv, the router and the bias as published (bf16 / f32).
+    H and I are not multiples of 128."""
+    sd = {"gate.weight": rng.standard_normal((e, h)).astype(jnp.bfloat16),
+          "gate.e_score_correction_bias": rng.uniform(0, 0.3, e).astype(np.float32)}
+    names = [(f"experts.{x}.{p}", (h, i) if p == "down_proj" else (i, h))
+             for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")]
+    names += [(f"shared_experts.{p}", (h, i_s) if p == "down_proj" else (i_s, h))
+              for p in ("gate_proj", "up_proj", "down_proj")]
+    for name, shape in names:
+        sd[name + ".weight"], sd[name + ".weight_scale_inv"] = _fp8_weight(rng, *shape)
+    return sd
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
+def test_fp8_checkpoint_converted_dequantised(rng, dtype):
+    sd = _fp8_deepseek(rng)
+    out = convert_moe_block(sd, dtype=dtype)
+    assert out["w13"].dtype == jnp.dtype(dtype) and out["w13"].shape == (3, 272, 200)
+    for x in range(3):
+        deq = {p: _np_dequantized(sd[f"experts.{x}.{p}.weight"],
+                                  sd[f"experts.{x}.{p}.weight_scale_inv"], dtype)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+        want13 = np.concatenate([deq["gate_proj"], deq["up_proj"]], axis=0)
+        assert_equal(out["w13"][x], want13, f"w13[{x}]")
+        assert_equal(out["w2"][x], deq["down_proj"], f"w2[{x}]")
+    want_shared = np.concatenate([_np_dequantized(sd[f"shared_experts.{p}.weight"],
+                                                  sd[f"shared_experts.{p}.weight_scale_inv"],
+                                                  dtype) for p in ("gate_proj", "up_proj")])
+    assert_equal(out["shared_w13"], want_shared, "shared_w13")
+    # the block scaled by 0 is zero, the huge one finite
+    assert not np.any(np.asarray(out["w13"][0, :128, :128], np.float32))
+    assert np.all(np.isfinite(np.asarray(out["w2"], np.float32)))
+
+
+def test_fp8_checkpoint_errors_name_the_key(rng):
+    sd = _fp8_deepseek(rng)
+    msg = _raises(ValueError, "experts.0.gate_proj.weight", lambda: convert_moe_block(sd))
+    assert "dtype=" in msg  # fp8 needs an explicit dtype to dequantise to
+    sd = _fp8_deepseek(rng)
+    del sd["experts.1.up_proj.weight_scale_inv"]
+    _raises(KeyError, "experts.1.up_proj.weight_scale_inv",
+            lambda: convert_moe_block(sd, dtype=jnp.bfloat16))
+    sd = _fp8_deepseek(rng)
+    sd["experts.2.down_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
+    msg = _raises(ValueError, "experts.2.down_proj.weight_scale_inv",
+                  lambda: convert_moe_block(sd, dtype=jnp.bfloat16))
+    assert "(2, 2)" in msg  # the expected block grid of a (200, 136) weight
+    sd = _fp8_deepseek(rng)  # a scale beside a weight that is not fp8
+    sd["experts.0.down_proj.weight"] = np.zeros((200, 136), np.float32)
+    _raises(ValueError, "experts.0.down_proj.weight_scale_inv",
+            lambda: convert_moe_block(sd, dtype=jnp.bfloat16))
