@@ -211,3 +211,31 @@ def test_training_reduces_loss():
         assert float(jnp.max(jnp.abs(r))) > 0
         assert_close(f, r, jnp.float32, "grad")
     np.testing.assert_allclose(runs["ffi"], runs["reference"], rtol=1e-4)
+
+
+def test_from_fp8_state_dict(rng):
+    """An FP8 checkpoint (e4m3 weights with 128 x 128 block scales) loads
+    dequantised to param_dtype, with the values convert_moe_block gives."""
+    import ml_dtypes
+
+    cfg = CONFIGS["deepseek"]
+    sd = {"gate.weight": rng.standard_normal((E, H)).astype(np.float32) / 4,
+          "gate.e_score_correction_bias": rng.uniform(0, 0.3, E).astype(np.float32)}
+    shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    mods = [f"experts.{e}" for e in range(E)] + ["shared_experts"]
+    for mod in mods:
+        for proj, shape in shapes.items():
+            if mod == "shared_experts":
+                shape = (16, H) if proj != "down_proj" else (H, 16)
+            values = (rng.standard_normal(shape) * 100).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+            sd[f"{mod}.{proj}.weight"] = values
+            sd[f"{mod}.{proj}.weight_scale_inv"] = np.full((1, 1), 2e-3, np.float32)
+    model = MoE.from_state_dict(cfg, sd, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    a = convert_moe_block(sd, dtype=jnp.bfloat16)
+    for k in ("w13", "w2", "shared_w13", "shared_w2"):
+        assert getattr(model, k)[...].dtype == jnp.bfloat16
+        assert_equal(getattr(model, k)[...], a[k], k)
+    want = np.asarray(sd["experts.3.down_proj.weight"], np.float32) * np.float32(2e-3)
+    assert_equal(model.w2[3], want.astype(jnp.bfloat16), "w2[3] = values x scale")
+    out = call(model, jnp.asarray(rng.standard_normal((4, H)), jnp.bfloat16))
+    assert out.shape == (4, H) and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
