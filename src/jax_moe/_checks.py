@@ -217,6 +217,11 @@ def _weight_ranks(w, expert_sizes) -> None:
 def _weight_match(x, w, expert_sizes) -> None:
     """w (E, N, K) and expert_sizes (E,) against x (M, K), all of checked rank."""
     same_dtype(x, "x", w, "w")
+    _weight_shapes(x, w, expert_sizes)
+
+
+def _weight_shapes(x, w, expert_sizes) -> None:
+    """_weight_match without the dtypes' match (fp8 w against float x)."""
     int_dtype(expert_sizes, "expert_sizes")
     if w.shape[2] != x.shape[1]:
         raise ValueError(f"w must be (E, N, K={x.shape[1]}) to match x, got {w.shape}")
@@ -242,13 +247,7 @@ def group_gemm_fp8_args(x, w, w_scale, expert_sizes) -> None:
     _weight_ranks(w, expert_sizes)
     float_dtype(x, "x")
     fp8.check_block_scales(w, w_scale, "w", "w_scale")
-    int_dtype(expert_sizes, "expert_sizes")
-    if w.shape[2] != x.shape[1]:
-        raise ValueError(f"w must be (E, N, K={x.shape[1]}) to match x, got {w.shape}")
-    if expert_sizes.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"expert_sizes must have E={w.shape[0]} entries (w's first dim), "
-            f"got {expert_sizes.shape[0]}")
+    _weight_shapes(x, w, expert_sizes)
 
 
 def group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk_value, tile) -> tuple:
