@@ -111,7 +111,6 @@ class _Block:
             raise ValueError(f"{key!r} has shape {arr.shape}, expected {want}")
         return arr
 
-
     def _dequantized(self, name: str, values: np.ndarray) -> np.ndarray:
         """An fp8 weight times its 128 x 128 block scales (`name`_scale_inv),
         in self.dequantize_to."""
@@ -312,7 +311,7 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
     if layout is None:
         layout = _detect(b)
 
-    # Fail fast (before reading any expert) on biases and quantisation scales.
+    # Fail fast (before reading any expert) on biases and other unknown keys.
     weight_like = (".weight", ".weight_scale_inv")
     _unrecognised(b, layout, [n for n in b.names if not n.endswith(weight_like)
                               and n not in _NON_WEIGHT_NAMES])

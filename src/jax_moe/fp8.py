@@ -10,9 +10,9 @@ channels, one f32 scale per (row, 128-channel block).
 
 A block's scale is its largest magnitude times the f32 constant 1/448
 (448: e4m3's largest finite value), so that its largest value maps to
-+-448; an all-zero block gets scale 1 and zero values (never 0 / 0). A block holding a NaN or an infinity
-gets a NaN scale and NaN values (e4m3fn has no infinity): it never reaches
-other blocks.
++-448; an all-zero block gets scale 1 and zero values (never 0 / 0). A
+block holding a NaN or an infinity gets a NaN scale and NaN values (e4m3fn
+has no infinity): it never reaches other blocks.
 
 These are the building blocks of the fp8 reference twin
 (``reference.group_gemm_fp8``): plain jax.numpy, jit-safe, any backend.

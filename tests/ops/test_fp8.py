@@ -29,7 +29,8 @@ def np_quantize(a, block_rows, block_cols):
             amax = np.max(np.abs(blk))
             s = np.float32(amax) * np.float32(1 / 448) if amax > 0 else np.float32(1)
             scales[i, j] = s
-            q = np.clip(blk.astype(np.float32) * (np.float32(1) / np.float32(s)), -448, 448).astype(E4M3)
+            q = blk.astype(np.float32) * (np.float32(1) / np.float32(s))
+            q = np.clip(q, -448, 448).astype(E4M3)
             values[i * block_rows:(i + 1) * block_rows, j * block_cols:(j + 1) * block_cols] = q
     return values, scales
 
