@@ -2,6 +2,7 @@
 the jitted reference ops, and the GEMM inputs of the group_gemm, expert_mlp
 and moe_layer tests."""
 
+import functools
 import os
 
 import jax
@@ -221,3 +222,22 @@ def on_cpu(fn, *args, **kwargs):
     with jax.default_device(cpu):
         out = fn(*args, **kwargs)
         return jax.block_until_ready(out)
+
+
+def lax_ragged(lhs, rhs, sizes):
+    """jax.lax.ragged_dot (rhs (G, K, N)) on sizes cut at M (its contract:
+    they sum to at most M), f32 accumulation, rows past the groups zero (some
+    backends leave them undefined): the oracle of jax_moe.ragged_dot."""
+    m = lhs.shape[0]
+    end = jnp.minimum(jnp.cumsum(sizes), m)
+    cut = end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+    out = jax.lax.ragged_dot(lhs, rhs, cut, preferred_element_type=jnp.float32)
+    rows = jnp.arange(m) < end[-1]
+    return jnp.where(rows[:, None], out, 0).astype(lhs.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("fn",))
+def value_and_grads(fn, lhs, rhs, sizes, ct):
+    """fn(lhs, rhs, sizes) and its gradients in lhs and rhs for the cotangent ct."""
+    out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
+    return (out,) + vjp(ct)

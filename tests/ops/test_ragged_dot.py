@@ -1,31 +1,16 @@
 """jax_moe.ragged_dot against jax.lax.ragged_dot: values and gradients,
 dtypes, empty groups, a local group range (group_offset), errors."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_moe
-from common import DTYPE_IDS, FLOAT_DTYPES, assert_equal, normal, rel_err, split_rows
+from common import (DTYPE_IDS, FLOAT_DTYPES, assert_equal, lax_ragged, normal, rel_err,
+                    split_rows, value_and_grads)
 
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 4e-3}
-
-
-def lax_ragged(lhs, rhs, sizes):
-    """jax.lax.ragged_dot with f32 accumulation, rows past the groups zero
-    (some backends leave them undefined)."""
-    out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
-    rows = jnp.arange(lhs.shape[0]) < jnp.sum(sizes)
-    return jnp.where(rows[:, None], out, 0).astype(lhs.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("fn",))
-def value_and_grads(fn, lhs, rhs, sizes, ct):
-    out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
-    return (out,) + vjp(ct)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 import jax_moe
-from common import normal, rel_err
+from common import mlp_weights, normal, rel_err
 from jax_moe import _checks, backends
 from jax_moe.ops.moe_layer import routed_layer
 from property_common import (ACTIVATIONS, MARKS, NORM_TOL, dtypes, experts_topk, local_range,
@@ -37,11 +37,9 @@ def layer_case(draw, max_tokens=40, max_hidden=70, max_inter=40):
     gated = draw(st.booleans())
     kw.update(topk=k, activation=draw(st.sampled_from(ACTIVATIONS)), is_gated=gated)
     rng = np.random.default_rng(seed)
-    arrays = dict(
-        hidden_states=normal(rng, (tokens, hidden), dtype),
-        router_logits=routing_logits(rng, tokens, experts, routing),
-        w13=normal(rng, (experts, 2 * inter if gated else inter, hidden), dtype, hidden**-0.5),
-        w2=normal(rng, (experts, hidden, inter), dtype, inter**-0.5))
+    arrays = dict(hidden_states=normal(rng, (tokens, hidden), dtype),
+                  router_logits=routing_logits(rng, tokens, experts, routing))
+    arrays["w13"], arrays["w2"] = mlp_weights(rng, experts, hidden, inter, dtype, gated)
     if draw(st.booleans()):  # chooses experts, never weights them
         arrays["e_score_correction_bias"] = jnp.asarray(rng.standard_normal(experts), jnp.float32)
     shared = draw(st.sampled_from(["none", "mlp", "gated_mlp", "output"]))
@@ -92,8 +90,7 @@ def test_local_expert_range(seed, tokens, hidden, inter, ek, gated, name, data, 
     rng = np.random.default_rng(seed)
     x = normal(rng, (tokens, hidden), dtype)
     logits = routing_logits(rng, tokens, experts, routing)
-    w13 = normal(rng, (local, 2 * inter if gated else inter, hidden), dtype, hidden**-0.5)
-    w2 = normal(rng, (local, hidden, inter), dtype, inter**-0.5)
+    w13, w2 = mlp_weights(rng, local, hidden, inter, dtype, gated)
     # the checks of moe_layer on all E experts' weights shapes (the spec only)
     spec = _checks.moe_layer_args(
         x, logits, jax.ShapeDtypeStruct((experts,) + w13.shape[1:], dtype),

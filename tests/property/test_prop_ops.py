@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 import jax_moe
-from common import assert_close, assert_equal, normal, ref, rel_err
+from common import assert_close, assert_equal, mlp_weights, normal, ref, rel_err
 from jax_moe import ops, reference
 from property_common import (ACTIVATIONS, MARKS, NORM_TOL, SPLITS, dtypes, experts_topk,
                              local_range, routing_logits, routing_options, scaled, seeds, sizes,
@@ -159,8 +159,7 @@ def test_expert_mlp(seed, tokens, hidden, inter, ek, gated, name, data, dtype):
     rng = np.random.default_rng(seed)
     _, d2s, s = _gather_inputs(rng, tokens, experts, k, routing, start, local)
     x = normal(rng, (tokens, hidden), dtype)
-    w13 = normal(rng, (local, 2 * inter if gated else inter, hidden), dtype, hidden**-0.5)
-    w2 = normal(rng, (local, hidden, inter), dtype, inter**-0.5)
+    w13, w2 = mlp_weights(rng, local, hidden, inter, dtype, gated)
     kw = dict(topk=k, activation=name, is_gated=gated)
     got, want = ops_mlp(x, w13, w2, s, d2s, **kw), ref.expert_mlp(x, w13, w2, s, d2s, **kw)
     assert got.shape == want.shape and got.dtype == dtype
@@ -175,8 +174,7 @@ def test_moe_layer(seed, tokens, hidden, inter, ek, gated, name, data, dtype):
     rng = np.random.default_rng(seed)
     x = normal(rng, (tokens, hidden), dtype)
     logits = routing_logits(rng, tokens, experts, routing)
-    w13 = normal(rng, (experts, 2 * inter if gated else inter, hidden), dtype, hidden**-0.5)
-    w2 = normal(rng, (experts, hidden, inter), dtype, inter**-0.5)
+    w13, w2 = mlp_weights(rng, experts, hidden, inter, dtype, gated)
     kw.update(topk=k, activation=name, is_gated=gated)
     got = ops_layer(x, logits, w13, w2, **kw)
     want = ref.moe_layer(x, logits, w13, w2, **kw)

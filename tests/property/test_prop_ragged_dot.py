@@ -2,35 +2,15 @@
 and gradients, group sizes summing to M, less or more, and a local group
 range (group_offset)."""
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, strategies as st
 
 import jax_moe
-from common import assert_equal, normal, rel_err
+from common import assert_equal, lax_ragged, normal, rel_err, value_and_grads
 from property_common import MARKS, NORM_TOL, SPLITS, dtypes, seeds, sizes, split_sizes
 
 pytestmark = MARKS
-
-
-def lax_ragged(lhs, rhs, sizes):
-    """jax.lax.ragged_dot on sizes cut at M (its contract: they sum to at
-    most M), f32 accumulation, rows past the groups zero."""
-    m = lhs.shape[0]
-    end = jnp.minimum(jnp.cumsum(sizes), m)
-    cut = end - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
-    out = jax.lax.ragged_dot(lhs, rhs, cut, preferred_element_type=jnp.float32)
-    rows = jnp.arange(m) < end[-1]
-    return jnp.where(rows[:, None], out, 0).astype(lhs.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("fn",))
-def value_and_grads(fn, lhs, rhs, sizes, ct):
-    out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
-    return (out,) + vjp(ct)
 
 
 def _check(got, want, dtype):
