@@ -1,6 +1,7 @@
-// The activation target (ops.gated_activation, ops.activation): step 5,
-// gated act(h[..., :I]) * h[..., I:] or plain act(h) in f32, on the CPU
-// (kernels/cpu/activation.h) and the GPU (kernels/cuda/activation.h).
+// The activation targets (ops.gated_activation, ops.activation): step 5,
+// gated act(h[..., :I]) * h[..., I:] or plain act(h) in f32, and its backward
+// (activation_grad), on the CPU (kernels/cpu/activation.h) and the GPU
+// (kernels/cuda/activation.h).
 #include "ffi/ffi_common.h"
 #include "ffi/shape_checks.h"
 #include "ffi/targets.h"
@@ -22,7 +23,28 @@ ffi::Error ActivationCpu(ffi::AnyBuffer h, int64_t activation, bool gated,
   return ffi::Error::Success();
 }
 
+ffi::Error ActivationGradCpu(ffi::AnyBuffer h, ffi::AnyBuffer d, int64_t activation, bool gated,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  ActDims dims;
+  if (auto err = CheckActivationGrad(h, d, activation, gated, *out, &dims); err.failure())
+    return err;
+  ActivationGradRows(ToDType(h.element_type()), h.untyped_data(), d.untyped_data(), dims.rows,
+                     dims.width, dims.inter, activation, gated, out->untyped_data());
+  return ffi::Error::Success();
+}
+
 #ifdef JAX_MOE_WITH_CUDA
+ffi::Error ActivationGradCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d,
+                              int64_t activation, bool gated, ffi::Result<ffi::AnyBuffer> out) {
+  ActDims dims;
+  if (auto err = CheckActivationGrad(h, d, activation, gated, *out, &dims); err.failure())
+    return err;
+  return CudaError(LaunchActivationGrad(stream, ToDType(h.element_type()), activation, gated,
+                                        h.untyped_data(), d.untyped_data(), dims.rows,
+                                        dims.inter, out->untyped_data()),
+                   "activation grad launch");
+}
+
 ffi::Error ActivationCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activation, bool gated,
                           ffi::Result<ffi::AnyBuffer> out) {
   ActDims d;
@@ -37,11 +59,17 @@ ffi::Error ActivationCuda(cudaStream_t stream, ffi::AnyBuffer h, int64_t activat
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kActivationCpu, ActivationCpu, ActivationSignature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kActivationGradCpu, ActivationGradCpu,
+                              ActivationGradSignature(ffi::Ffi::Bind()));
 
 #ifdef JAX_MOE_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     kActivationCuda, ActivationCuda,
     ActivationSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kActivationGradCuda, ActivationGradCuda,
+    ActivationGradSignature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 #endif
 

@@ -244,6 +244,19 @@ inline ffi::Error CheckActivation(const ffi::AnyBuffer& h, int64_t activation, b
   return CheckFloat(h.element_type(), "h");
 }
 
+// activation_grad: h as for the activation, d (..., I) and out (h's shape),
+// both of h's dtype.
+inline ffi::Error CheckActivationGrad(const ffi::AnyBuffer& h, const ffi::AnyBuffer& d,
+                                      int64_t activation, bool gated, const ffi::AnyBuffer& out,
+                                      ActDims* dims) {
+  if (auto err = CheckActivation(h, activation, gated, d, dims); err.failure())
+    return InvalidArg("activation grad: h (..., 2I or I) and its output's cotangent (..., I), "
+                      "one float dtype");
+  if (out.element_count() != h.element_count() || out.element_type() != h.element_type())
+    return InvalidArg("activation grad: dh must have h's shape and dtype");
+  return ffi::Error::Success();
+}
+
 // group_gemm_wgrad: dy (M, N); x (M, K), or with `gather` x (T, K) and rows
 // (M,) naming token rows; out (E, N, K) with E = expert_sizes' entries. Fills
 // d: m = M, k = K, groups = E, n = N, x_rows = x's rows.

@@ -21,6 +21,7 @@ namespace jax_moe {
   X("jax_moe_moe_layer", MoeLayer)               \
   X("jax_moe_moe_decode", MoeDecode)             \
   X("jax_moe_activation", Activation)            \
+  X("jax_moe_activation_grad", ActivationGrad)   \
   X("jax_moe_combine", Combine)                  \
   X("jax_moe_write_kv", WriteKv)                 \
   X("jax_moe_paged_decode", PagedDecode)         \
@@ -112,6 +113,17 @@ auto ActivationSignature(Bound bound) {
       .template Attr<int64_t>("activation")
       .template Attr<bool>("gated")
       .template Ret<xla::ffi::AnyBuffer>();  // out
+}
+
+// activation_grad (the activation's backward)
+template <typename Bound>
+auto ActivationGradSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // h
+      .template Arg<xla::ffi::AnyBuffer>()  // the output's cotangent
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Ret<xla::ffi::AnyBuffer>();  // dh
 }
 
 // combine (ops.moe_combine)

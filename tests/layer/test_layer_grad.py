@@ -158,7 +158,7 @@ def test_grad_program_runs_on_the_kernels(rng):
     text = grads.lower(arrays, ct, "ffi", (("topk", 2),)).as_text()
     for target in ("jax_moe_route", "jax_moe_token_index", "jax_moe_group_gemm",
                    "jax_moe_group_gemm_wgrad", "jax_moe_combine_bwd", "jax_moe_combine",
-                   "jax_moe_activation"):
+                   "jax_moe_activation", "jax_moe_activation_grad"):
         assert f'"{target}"' in text or f"@{target}" in text or target + '"' in text, target
     assert "ragged_dot" not in text
     assert "dot_general" not in text

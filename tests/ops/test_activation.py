@@ -70,3 +70,87 @@ def test_plain_activation_vmap(rng):
     got = jax.vmap(lambda a: ops.activation(a, "gelu"))(h)
     want = jnp.stack([ops.activation(a, "gelu") for a in h])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- the backward (the jax_moe_activation_grad kernel)
+
+GRAD_SHAPES = [(1, 2), (7, 14), (0, 16), (33, 260), (3, 5, 144)]  # (..., 2I); 2I/2 odd too
+
+
+def _vjp(fn, h, g):
+    return jax.vjp(fn, h)[1](g)[0]
+
+
+def _op(name, gated):
+    return (lambda v: ops.gated_activation(v, name)) if gated else (lambda v: ops.activation(v, name))
+
+
+def _ref(name, gated):
+    return lambda v: reference._activation(v, name, gated)
+
+
+def _f64_grad(h, g, name, gated):
+    """d/dh sum(g * act) of the float64 oracle by central differences: each
+    output depends on one gate (and one up) entry, so one shift per half."""
+    h, g = oracle.f64(h), oracle.f64(g)
+    def f(v):
+        return oracle.gated_activation(v, name) if gated else oracle.activation(v, name)
+    eps = 1e-6
+    out = np.zeros_like(h)
+    halves = [slice(0, h.shape[-1] // 2), slice(h.shape[-1] // 2, None)] if gated else [slice(None)]
+    for part in halves:
+        shift = np.zeros_like(h)
+        shift[..., part] = eps
+        out[..., part] = (g * (f(h + shift) - f(h - shift)) / (2 * eps))[..., : h[..., part].shape[-1]]
+    return out
+
+
+@dtypes
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=str)
+def test_activation_grad(rng, shape, activation, gated, dtype):
+    h = normal(rng, shape, dtype, scale=2.0)
+    out_shape = shape[:-1] + (shape[-1] // 2 if gated else shape[-1],)
+    g = normal(rng, out_shape, dtype)
+    got = _vjp(_op(activation, gated), h, g)
+    assert got.shape == shape and got.dtype == dtype
+    # The autodiff of the reference (XLA) and the kernel round the same f32
+    # values to the dtype once; their f32 forms of act' differ by a few ulp.
+    assert_close(got, _vjp(_ref(activation, gated), h, g), dtype, "vs reference autodiff",
+                 atol=1e-6 * np.abs(oracle.f64(h)).max(initial=0) * np.abs(oracle.f64(g)).max(initial=0))
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(got, np.float64), _f64_grad(h, g, activation, gated),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_activation_grad_jit_vmap(rng):
+    h = normal(rng, (3, 9, 16), jnp.bfloat16)
+    g = normal(rng, (3, 9, 8), jnp.bfloat16)
+    fn = jax.jit(jax.vmap(lambda a, b: _vjp(_op("silu", True), a, b)))
+    want = jnp.stack([_vjp(_op("silu", True), a, b) for a, b in zip(h, g)])
+    assert_equal(fn(h, g), want)
+
+
+def test_activation_grad_nonfinite_stays_in_its_element(rng):
+    # A NaN or inf gate in one row reaches only that row's gradient.
+    h = np.array(normal(rng, (4, 16), jnp.float32))
+    h[1, 3] = np.nan
+    h[2, 0] = np.inf
+    g = normal(rng, (4, 8), jnp.float32)
+    got = np.asarray(_vjp(_op("silu", True), jnp.asarray(h), g))
+    assert np.all(np.isfinite(got[[0, 3]]))
+    assert np.isnan(got[1, 3]) and np.all(np.isfinite(np.delete(got[1], [3, 11])))
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_activation_grad_sanitize(rng, gated, dtype):
+    # Small, with a width that is not a multiple of the 16-byte vector (the
+    # scalar path) and one that is.
+    for width in (26, 32):
+        h = normal(rng, (5, width), dtype)
+        g = normal(rng, (5, width // 2 if gated else width), dtype)
+        assert_close(_vjp(_op("gelu", gated), h, g), _vjp(_ref("gelu", gated), h, g), dtype,
+                     "vs reference autodiff", atol=1e-5)

@@ -1,4 +1,5 @@
-// Step 5 on the CPU: gated act(h[..., :I]) * h[..., I:] or plain act(h), in f32.
+// Step 5 on the CPU: gated act(h[..., :I]) * h[..., I:] or plain act(h), in
+// f32, and its backward.
 #include "kernels/cpu/activation.h"
 
 #include "kernels/cpu/act_math.h"
@@ -11,6 +12,16 @@ void ActivationRows(DType dtype, const void* in, int64_t rows, int64_t width, in
     using S = HostScalar<DT>;
     ActRows<S>(static_cast<const typename S::Storage*>(in), rows, width, inter, activation, gated,
                static_cast<typename S::Storage*>(out));
+  });
+}
+
+void ActivationGradRows(DType dtype, const void* in, const void* d, int64_t rows, int64_t width,
+                        int64_t inter, int64_t activation, bool gated, void* out) {
+  WithDType(dtype, [&]<DType DT>() {
+    using S = HostScalar<DT>;
+    using T = typename S::Storage;
+    ActGradRows<S>(static_cast<const T*>(in), static_cast<const T*>(d), rows, width, inter,
+                   activation, gated, static_cast<T*>(out));
   });
 }
 

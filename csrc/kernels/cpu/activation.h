@@ -1,4 +1,4 @@
-// Step 5 on the CPU, the activation (kernels/cpu/activation.cc).
+// Step 5 on the CPU, the activation and its backward (kernels/cpu/activation.cc).
 #pragma once
 
 #include <cstdint>
@@ -12,5 +12,11 @@ namespace jax_moe {
 // `activation` is an Activation code.
 void ActivationRows(DType dtype, const void* in, int64_t rows, int64_t width, int64_t inter,
                     int64_t activation, bool gated, void* out);
+
+// The backward for the output cotangent d (rows x inter): out (rows x width,
+// in's shape) = d * in[r, inter:] * act'(in[r, :inter]) and d *
+// act(in[r, :inter]) (gated) or d * act'(in), in `dtype`, computed in f32.
+void ActivationGradRows(DType dtype, const void* in, const void* d, int64_t rows, int64_t width,
+                        int64_t inter, int64_t activation, bool gated, void* out);
 
 }  // namespace jax_moe

@@ -1,5 +1,5 @@
 // Step 5 on the GPU: act(h[r, :I]) * h[r, I:] (gated) or act(h[r, :]) in f32,
-// 16-byte accesses when I allows, grid-stride over rows x I.
+// and its backward; 16-byte accesses when I allows, grid-stride over rows x I.
 #include "kernels/cuda/activation.h"
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -15,6 +15,44 @@ __device__ __forceinline__ float Act(float g) {
     return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
   } else {
     return g / (1.f + expf(-g));
+  }
+}
+
+// act(g) and act'(g) (into slope), in f32: the forms of kernels/cpu/act_math.h.
+template <int ACT>
+__device__ __forceinline__ float ActSlope(float g, float* slope) {
+  if constexpr (ACT == kGeluExact) {
+    const float cdf = 0.5f * (1.f + erff(g * 0.70710678118654752f));
+    *slope = cdf + g * 0.3989422804014327f * expf(-0.5f * g * g);
+    return g * cdf;
+  } else if constexpr (ACT == kGeluTanh) {
+    const float c = 0.7978845608028654f;
+    const float t = tanhf(c * (g + 0.044715f * g * g * g));
+    *slope = 0.5f * (1.f + t) + 0.5f * g * (1.f - t * t) * c * (1.f + 3.f * 0.044715f * g * g);
+    return 0.5f * g * (1.f + t);
+  } else {
+    const float s = 1.f / (1.f + expf(-g));
+    *slope = s * (1.f + g * (1.f - s));
+    return g * s;
+  }
+}
+
+// VEC consecutive elements: 16 bytes at once when VEC > 1.
+template <int VEC, typename T>
+__device__ __forceinline__ void LoadVec(const T* p, T* v) {
+  if constexpr (VEC == 1) {
+    v[0] = p[0];
+  } else {
+    *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+  }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void StoreVec(T* p, const T* v) {
+  if constexpr (VEC == 1) {
+    p[0] = v[0];
+  } else {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
   }
 }
 
@@ -57,6 +95,67 @@ __global__ void GatedActKernel(const typename DevScalar<DT>::T* __restrict__ in,
   }
 }
 
+// The backward: for the cotangent d (rows x inter), out (in's shape) = d * up *
+// act'(gate) and d * act(gate) (gated) or d * act'(in).
+template <DType DT, int ACT, bool GATED, int VEC>
+__global__ void GatedActGradKernel(const typename DevScalar<DT>::T* __restrict__ in,
+                                   const typename DevScalar<DT>::T* __restrict__ d,
+                                   int64_t rows, int64_t inter,
+                                   typename DevScalar<DT>::T* __restrict__ out) {
+  constexpr int kWidth = GATED ? 2 : 1;
+  using S = DevScalar<DT>;
+  using T = typename S::T;
+  const int64_t per_row = inter / VEC;
+  const int64_t total = rows * per_row;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / per_row;
+    const int64_t c = (idx - r * per_row) * VEC;
+    const int64_t at = r * kWidth * inter + c;
+    T g[VEC], u[VEC], dv[VEC], dg[VEC], du[VEC];
+    LoadVec<VEC>(in + at, g);
+    if constexpr (GATED) LoadVec<VEC>(in + at + inter, u);
+    LoadVec<VEC>(d + r * inter + c, dv);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      float slope;
+      const float a = ActSlope<ACT>(S::Load(g[v]), &slope);
+      const float dd = S::Load(dv[v]);
+      if constexpr (GATED) {
+        dg[v] = S::Store(dd * S::Load(u[v]) * slope);
+        du[v] = S::Store(dd * a);
+      } else {
+        dg[v] = S::Store(dd * slope);
+      }
+    }
+    StoreVec<VEC>(out + at, dg);
+    if constexpr (GATED) StoreVec<VEC>(out + at + inter, du);
+  }
+}
+
+template <DType DT, int ACT, bool GATED>
+cudaError_t LaunchActGrad(cudaStream_t stream, const void* in, const void* d, int64_t rows,
+                          int64_t inter, void* out) {
+  using T = typename DevScalar<DT>::T;
+  constexpr int kVec = 16 / sizeof(T);
+  const auto* ip = static_cast<const T*>(in);
+  const auto* dp = static_cast<const T*>(d);
+  auto* op = static_cast<T*>(out);
+  if (inter % kVec == 0)
+    return LaunchKernel(GatedActGradKernel<DT, ACT, GATED, kVec>,
+                        GridFor(rows * inter / kVec, 256), 256, 0, stream, false, ip, dp, rows,
+                        inter, op);
+  return LaunchKernel(GatedActGradKernel<DT, ACT, GATED, 1>, GridFor(rows * inter, 256), 256, 0,
+                      stream, false, ip, dp, rows, inter, op);
+}
+
+template <DType DT, int ACT>
+cudaError_t LaunchGatedGrad(cudaStream_t stream, bool gated, const void* in, const void* d,
+                            int64_t rows, int64_t inter, void* out) {
+  if (gated) return LaunchActGrad<DT, ACT, true>(stream, in, d, rows, inter, out);
+  return LaunchActGrad<DT, ACT, false>(stream, in, d, rows, inter, out);
+}
+
 template <DType DT, int ACT, bool GATED>
 cudaError_t LaunchAct(cudaStream_t stream, const void* in, int64_t rows, int64_t inter, void* out,
                       bool pdl) {
@@ -88,7 +187,27 @@ cudaError_t LaunchActivationT(cudaStream_t stream, int64_t activation, bool gate
   }
 }
 
+template <DType DT>
+cudaError_t LaunchActivationGradT(cudaStream_t stream, int64_t activation, bool gated,
+                                  const void* in, const void* d, int64_t rows, int64_t inter,
+                                  void* out) {
+  switch (activation) {
+    case kGeluExact: return LaunchGatedGrad<DT, kGeluExact>(stream, gated, in, d, rows, inter, out);
+    case kGeluTanh: return LaunchGatedGrad<DT, kGeluTanh>(stream, gated, in, d, rows, inter, out);
+    default: return LaunchGatedGrad<DT, kSilu>(stream, gated, in, d, rows, inter, out);
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchActivationGrad(cudaStream_t stream, DType dtype, int64_t activation, bool gated,
+                                 const void* in, const void* d, int64_t rows, int64_t inter,
+                                 void* out) {
+  if (rows * inter == 0) return cudaSuccess;
+  return WithDType(dtype, [&]<DType DT>() {
+    return LaunchActivationGradT<DT>(stream, activation, gated, in, d, rows, inter, out);
+  });
+}
 
 cudaError_t LaunchActivation(cudaStream_t stream, DType dtype, int64_t activation,
                              bool gated, const void* in, int64_t rows, int64_t inter, void* out,

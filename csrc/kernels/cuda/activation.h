@@ -1,6 +1,7 @@
 // Step 5 on the GPU, the activation: its launcher (kernels/cuda/
 // activation.cu), for the activation handler and for expert_mlp, which runs
-// it between its two GEMMs.
+// it between its two GEMMs; and its backward's, for the activation_grad
+// handler.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,5 +19,12 @@ namespace jax_moe {
 cudaError_t LaunchActivation(cudaStream_t stream, DType dtype, int64_t activation,
                              bool gated, const void* in, int64_t rows, int64_t inter, void* out,
                              bool pdl);
+
+// The backward for the cotangent d (rows x inter): out (in's shape) = d *
+// in[r, inter:] * act'(in[r, :inter]) and d * act(in[r, :inter]) (gated) or
+// d * act'(in), computed in f32, in `dtype`, on `stream`.
+cudaError_t LaunchActivationGrad(cudaStream_t stream, DType dtype, int64_t activation, bool gated,
+                                 const void* in, const void* d, int64_t rows, int64_t inter,
+                                 void* out);
 
 }  // namespace jax_moe
