@@ -68,15 +68,33 @@ constexpr int kPrepThreads = 128;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 
-// The epilogue's subtile. CUTLASS's choice for the cooperative 128x256 tile
-// is 128x32: eight 8 KB stores a tile, two in flight. JAX_MOE_WGRAD_EPILOGUE_N
-// is a benchmark-only switch (benchmarks/kernels, the wgrad_bench_epi*
-// executables) that sets the subtile's N instead; the shipped objects never
-// see it.
-#ifdef JAX_MOE_WGRAD_EPILOGUE_N
-using WgradEpilogueTile = Shape<_128, Int<JAX_MOE_WGRAD_EPILOGUE_N>>;
+// The schedule and tile: cooperative 128x256 (both consumer warpgroups on
+// one tile). JAX_MOE_WGRAD_PINGPONG is a benchmark-only switch (see
+// benchmarks/kernels/CMakeLists.txt; the shipped objects never see it): the
+// ping-pong schedule, each consumer warpgroup on its own
+// JAX_MOE_WGRAD_TILE_M x JAX_MOE_WGRAD_TILE_N tile, so that one tile's
+// stores overlap the other's MMAs (few rows an expert make the stores the
+// larger part).
+#ifdef JAX_MOE_WGRAD_PINGPONG
+using WgradTile = Shape<Int<JAX_MOE_WGRAD_TILE_M>, Int<JAX_MOE_WGRAD_TILE_N>, _64>;
+using WgradMainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+using WgradEpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 #else
-using WgradEpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+using WgradTile = Shape<_128, _256, _64>;
+using WgradMainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using WgradEpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+#endif
+
+// The epilogue's subtile: 128x64, each tile's 64 KB of gradient stored in
+// four 16 KB TMA stores. With few rows an expert (a training step of a few
+// thousand tokens), writing the gradient bounds the kernel, and CUTLASS's
+// own choice (128x32: eight 8 KB stores) keeps too few bytes in flight.
+// JAX_MOE_WGRAD_EPILOGUE_N, another benchmark-only switch, sets the
+// subtile's N instead (M: the tile's).
+#ifdef JAX_MOE_WGRAD_EPILOGUE_N
+using WgradEpilogueTile = Shape<decltype(get<0>(WgradTile{})), Int<JAX_MOE_WGRAD_EPILOGUE_N>>;
+#else
+using WgradEpilogueTile = Shape<decltype(get<0>(WgradTile{})), _64>;
 #endif
 
 template <typename Element>
@@ -84,20 +102,20 @@ struct WgradGemm {
   using LayoutA = cutlass::layout::ColumnMajor;  // dy_e^T, M-major
   using LayoutB = cutlass::layout::RowMajor;     // x_e, N-major
   using LayoutD = cutlass::layout::RowMajor;
-  using TileShape = Shape<_128, _256, _64>;
+  using TileShape = WgradTile;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kAlignment = 8;  // 16 bytes, as TMA needs
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       WgradEpilogueTile, float, float, void, LayoutD*, kAlignment,  // no C: D = alpha * acc
-      Element, LayoutD*, kAlignment, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      Element, LayoutD*, kAlignment, WgradEpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
       Element, LayoutB*, kAlignment, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      WgradMainloopSchedule>::CollectiveOp;
   // No tile scheduler named: the ptr-array kernel's default, the persistent
   // group scheduler (no split-K / stream-K).
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
