@@ -78,7 +78,7 @@ def expert_mlp_vjp(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k: int, act
     """(dx, dw13, dw2) of expert_mlp for the output cotangent g (M, H); h: the
     forward's w13 GEMM output, or None to recompute it. The activation is
     recomputed from h (the same kernel, so the same bits as the forward);
-    its backward is elementwise (XLA); every GEMM runs on the kernels."""
+    its backward, and every GEMM, runs on the kernels."""
     if h is None:
         h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, None)
     a = _activation_call(h, activation, is_gated)
