@@ -97,6 +97,37 @@ using WgradEpilogueTile = Shape<decltype(get<0>(WgradTile{})), Int<JAX_MOE_WGRAD
 using WgradEpilogueTile = Shape<decltype(get<0>(WgradTile{})), _64>;
 #endif
 
+#ifdef JAX_MOE_WGRAD_STAGES_D
+// Benchmark-only: the builder's epilogue with JAX_MOE_WGRAD_STAGES_D
+// shared-memory buffers for D (TMA stores that may be in flight) instead of
+// its two, so that more of a tile's stores can overlap the next tile's MMAs.
+template <class Policy>
+struct WithStagesD;
+template <int C, int D, int F, bool R, bool Delay, int W>
+struct WithStagesD<cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<C, D, F, R, Delay, W>> {
+  using type = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
+      C, JAX_MOE_WGRAD_STAGES_D, F, R, Delay, W>;
+};
+template <class Fusion, class Policy>
+struct FusionWithPolicy;
+template <class Old, class... Rest, class Policy>
+struct FusionWithPolicy<cutlass::epilogue::fusion::FusionCallbacks<Old, Rest...>, Policy> {
+  using type = cutlass::epilogue::fusion::FusionCallbacks<Policy, Rest...>;
+};
+template <class Epilogue>
+struct EpilogueWithStagesD;
+template <class P, class Tile, class EpiTile, class EC, class SC, class ED, class SD, class Fusion,
+          class... Rest>
+struct EpilogueWithStagesD<
+    cutlass::epilogue::collective::CollectiveEpilogue<P, Tile, EpiTile, EC, SC, ED, SD, Fusion,
+                                                      Rest...>> {
+  using Policy = typename WithStagesD<P>::type;
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      Policy, Tile, EpiTile, EC, SC, ED, SD, typename FusionWithPolicy<Fusion, Policy>::type,
+      Rest...>;
+};
+#endif
+
 template <typename Element>
 struct WgradGemm {
   using LayoutA = cutlass::layout::ColumnMajor;  // dy_e^T, M-major
@@ -105,11 +136,16 @@ struct WgradGemm {
   using TileShape = WgradTile;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kAlignment = 8;  // 16 bytes, as TMA needs
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       WgradEpilogueTile, float, float, void, LayoutD*, kAlignment,  // no C: D = alpha * acc
       Element, LayoutD*, kAlignment, WgradEpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+#ifdef JAX_MOE_WGRAD_STAGES_D
+  using Epilogue = typename EpilogueWithStagesD<BuiltEpilogue>::type;
+#else
+  using Epilogue = BuiltEpilogue;
+#endif
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
       Element, LayoutB*, kAlignment, float, TileShape, ClusterShape,
