@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_moe
-from jax_moe import _checks, backends, ops, reference
+from jax_moe import _checks, backends, fp8, ops, reference
 
 # Queries on already-checked values (whether moe_decode takes a layer), not checks.
 QUERIES = {"decode_limits", "is_concrete"}
@@ -174,6 +174,8 @@ OPS = {  # name: (args, keyword arguments, the entry check)
                    "moe_decode_args"),
     "group_gemm_wgrad": ((sds((M, 2 * I)), sds((M, H)), sds((E,), jnp.int32)), dict(topk=1),
                          "group_gemm_wgrad_args"),
+    "group_gemm_fp8": ((sds((M, H)), sds((E, 2 * I, H), fp8.FP8), sds((E, 1, 1)),
+                        sds((E,), jnp.int32)), {}, "group_gemm_fp8_args"),
 }
 
 

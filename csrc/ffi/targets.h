@@ -27,6 +27,7 @@ namespace jax_moe {
   X("jax_moe_paged_decode", PagedDecode)         \
   X("jax_moe_fill_rows", FillRows)               \
   X("jax_moe_group_gemm_wgrad", GroupGemmWgrad)  \
+  X("jax_moe_group_gemm_fp8", GroupGemmFp8)      \
   X("jax_moe_combine_bwd", CombineBwd)
 
 #define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
@@ -258,6 +259,17 @@ auto GroupGemmWgradSignature(Bound bound) {
       .template Attr<int64_t>("topk")
       .template Ret<xla::ffi::AnyBuffer>()  // dw (E, N, K)
       .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
+}
+
+// group_gemm_fp8 (ops.group_gemm_fp8)
+template <typename Bound>
+auto GroupGemmFp8Signature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x (M, K) f32 / bf16 / f16
+      .template Arg<xla::ffi::AnyBuffer>()  // w (E, N, K) float8_e4m3fn
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w_scale (E, ceil(N/128), ceil(K/128))
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Ret<xla::ffi::AnyBuffer>();  // out (M, N), x's dtype
 }
 
 }  // namespace jax_moe

@@ -33,9 +33,8 @@ __all__ = [
     "moe_layer",
     "moe_decode",
     "group_gemm_wgrad",
+    "group_gemm_fp8",
 ]
-# group_gemm_fp8 (below) is the block-scaled fp8 recipe's definition; it has
-# no kernel in jax_moe.ops, so it is outside __all__ (the twins of ops).
 
 
 def route(router_logits, topk: int, *, scoring_func: str = "softmax", renormalize: bool = True,
@@ -260,7 +259,10 @@ def _expand(x, dst_to_src, k: int):
 
 def _group_gemm(x, w, expert_sizes):
     sizes = owned_rows(expert_sizes, x.shape[0])
-    out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes,
+    # f32 in full precision: on GPUs XLA's default would round f32 operands
+    # (TF32-like passes), and the twin is the kernels' yardstick.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), sizes, precision=precision,
                              preferred_element_type=jnp.float32)
     # ragged_dot leaves rows past the last group undefined on some backends.
     rows = jnp.arange(x.shape[0])

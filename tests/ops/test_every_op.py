@@ -14,7 +14,7 @@ import pytest
 import oracle
 from common import (DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal, on_cpu,
                     random_ids, split_rows)
-from jax_moe import ops
+from jax_moe import fp8, ops
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 
@@ -26,7 +26,7 @@ def test_every_target_registered_for_every_built_platform():
             "jax_moe_group_gemm", "jax_moe_expert_mlp", "jax_moe_activation", "jax_moe_combine",
             "jax_moe_moe_layer", "jax_moe_moe_decode", "jax_moe_write_kv", "jax_moe_paged_decode",
             "jax_moe_fill_rows", "jax_moe_group_gemm_wgrad", "jax_moe_combine_bwd",
-            "jax_moe_activation_grad"}
+            "jax_moe_activation_grad", "jax_moe_group_gemm_fp8"}
     assert set(regs) == ({"cpu", "CUDA"} if HAS_CUDA else {"cpu"})
     for platform, targets in regs.items():
         assert set(targets) == want, platform
@@ -46,6 +46,7 @@ TARGETS = {
     "gated_act": "jax_moe_activation",
     "combine": "jax_moe_combine",
     "moe_layer": "jax_moe_moe_layer",
+    "group_gemm_fp8": "jax_moe_group_gemm_fp8",
 }
 
 
@@ -77,6 +78,16 @@ def op_case(name, rng, dtype, batch=None):
         return ops.group_gemm, (
             normal(rng, lead + (m, hidden), dtype),
             normal(rng, lead + (experts, 2 * inter, hidden), dtype, 1 / np.sqrt(hidden)),
+            stack(lambda: split_rows(rng, m, experts, "empty_middle")))
+    if name == "group_gemm_fp8":
+        m = tokens * k
+        pairs = [fp8.quantize_blocks(normal(rng, (experts, 2 * inter, hidden), jnp.float32,
+                                            1 / np.sqrt(hidden))) for _ in per]
+
+        def pick(j):  # the weights' codes (0) or block scales (1)
+            return pairs[0][j] if batch is None else jnp.stack([p[j] for p in pairs])
+        return ops.group_gemm_fp8, (
+            normal(rng, lead + (m, hidden), dtype), pick(0), pick(1),
             stack(lambda: split_rows(rng, m, experts, "empty_middle")))
     if name == "expert_mlp":
         idx = [index() for _ in per]  # sizes and dst_to_src of one routing per element

@@ -1,7 +1,8 @@
-"""Block-scaled fp8 (jax_moe.fp8) and the fp8 grouped GEMM's reference twin
-(reference.group_gemm_fp8), against NumPy with ml_dtypes' e4m3: 128 x 128
-weight blocks and 1 x 128 activation groups, partial blocks, zero and huge
-blocks, NaN, empty experts, one row, bad scales."""
+"""Block-scaled fp8 (jax_moe.fp8) and the fp8 grouped GEMM, its reference twin
+(reference.group_gemm_fp8) and its kernels (ops.group_gemm_fp8), against
+NumPy with ml_dtypes' e4m3: 128 x 128 weight blocks and 1 x 128 activation
+groups, partial blocks, zero and huge blocks, NaN, empty experts, one row,
+bad scales."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from common import normal, rel_err
-from jax_moe import fp8, reference
+from jax_moe import fp8, ops, reference
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -108,6 +109,10 @@ def np_group_gemm_fp8(x, w, w_scale, sizes):
     return out
 
 
+modules = pytest.mark.parametrize("module", [reference, ops], ids=["reference", "ops"])
+
+
+@modules
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=str)
 @pytest.mark.parametrize("m,n,k,sizes", [
     (40, 256, 256, (10, 0, 30)),      # an empty expert in the middle
@@ -116,11 +121,11 @@ def np_group_gemm_fp8(x, w, w_scale, sizes):
     (20, 128, 128, (0, 0, 0)),        # no rows owned: zeros
     (12, 96, 384, (5, 20, -3)),       # sizes past m; a negative size counts 0
 ])
-def test_group_gemm_fp8_matches_recipe(rng, dtype, m, n, k, sizes):
+def test_group_gemm_fp8_matches_recipe(rng, module, dtype, m, n, k, sizes):
     x = normal(rng, (m, k), dtype)
     w, w_scale = fp8.quantize_blocks(normal(rng, (len(sizes), n, k), jnp.float32, k**-0.5))
     s = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(reference.group_gemm_fp8)(x, w, w_scale, s)
+    got = jax.jit(module.group_gemm_fp8)(x, w, w_scale, s)
     assert got.dtype == jnp.dtype(dtype) and got.shape == (m, n)
     want = np_group_gemm_fp8(x, w, w_scale, sizes)
     # the output's rounding to its dtype (bf16 2^-9, f16 2^-12), f32 sums in another order
@@ -166,9 +171,10 @@ def _bad(rng, case):
     ("sizes_len", ValueError, "expert_sizes must have E=2"),
 ])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_group_gemm_fp8_rejects_bad_arguments(rng, case, exc, match, jit):
+@modules
+def test_group_gemm_fp8_rejects_bad_arguments(rng, module, case, exc, match, jit):
     args = _bad(rng, case)
-    f = jax.jit(reference.group_gemm_fp8) if jit else reference.group_gemm_fp8
+    f = jax.jit(module.group_gemm_fp8) if jit else module.group_gemm_fp8
     with pytest.raises(exc, match=match):
         f(*args)
 

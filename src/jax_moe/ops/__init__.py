@@ -1,7 +1,8 @@
 """The MoE steps as XLA FFI custom calls (CPU and CUDA handlers), one module
 per step, named as the FFI targets and the C++ files: route, token_index,
 expand, group_gemm, activation, combine, expert_mlp, moe_layer, moe_decode,
-group_gemm_wgrad (group_gemm's weight gradient).
+group_gemm_wgrad (group_gemm's weight gradient), group_gemm_fp8 (block-scaled
+fp8 weights).
 
 Each public function checks its arguments once at trace time (jax_moe._checks)
 and then calls an unchecked implementation that builds the FFI call;
@@ -23,6 +24,7 @@ from jax_moe.ops.combine import moe_combine
 from jax_moe.ops.expand import moe_expand_input
 from jax_moe.ops.expert_mlp import expert_mlp
 from jax_moe.ops.group_gemm import group_gemm, group_gemm_gather
+from jax_moe.ops.group_gemm_fp8 import group_gemm_fp8
 from jax_moe.ops.group_gemm_wgrad import group_gemm_wgrad
 from jax_moe.ops.moe_decode import moe_decode, moe_decode_supported
 from jax_moe.ops.moe_layer import moe_layer
@@ -46,4 +48,5 @@ __all__ = [
     "moe_decode",
     "moe_decode_supported",
     "group_gemm_wgrad",
+    "group_gemm_fp8",
 ]

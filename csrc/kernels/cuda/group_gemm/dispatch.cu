@@ -63,6 +63,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/group_gemm/decode.cuh"
+#include "kernels/cuda/group_gemm/fp8_simt.cuh"
 #include "kernels/cuda/group_gemm/launch.h"
 #include "kernels/cuda/group_gemm/mma_tile.cuh"
 #include "kernels/cuda/group_gemm/schedule.cuh"
@@ -162,6 +163,32 @@ cudaError_t LaunchGroupGemmFor(cudaStream_t stream, DType dtype, const void* x,
     default:
       return LaunchGroupGemm<DType::F16>(stream, x, w, sizes, out, d, rows, topk, tile_m, pdl,
                                          wait_first);
+  }
+}
+
+cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* x,
+                                  const uint8_t* w, const float* w_scale, const int32_t* sizes,
+                                  void* out, const GemmDims& d) {
+  auto launch = [&]<DType DT>() {
+    using S = Fp8Storage<DT>;
+    GemmArgs a{};
+    a.m = d.m;
+    a.n = d.n;
+    a.k = d.k;
+    a.src = RowSource{nullptr, 1, d.m};
+    a.vec_in = d.k % 16 == 0 && Aligned16(w);  // 16 codes a load
+    a.vec_out = d.n % static_cast<int64_t>(16 / sizeof(S)) == 0 && Aligned16(out);
+    const unsigned grid = Schedule(a, d.groups, kF8BM, kF8BN);
+    return LaunchKernel(GroupGemmFp8Kernel<DT>, grid, kThreads, 0, stream, false,
+                        static_cast<const S*>(x), w, w_scale, sizes, static_cast<S*>(out), a);
+  };
+  switch (dtype) {
+    case DType::F32:
+      return launch.template operator()<DType::F32>();
+    case DType::BF16:
+      return launch.template operator()<DType::BF16>();
+    default:
+      return launch.template operator()<DType::F16>();
   }
 }
 

@@ -28,6 +28,15 @@ cudaError_t LaunchGroupGemmFor(cudaStream_t stream, DType dtype, const void* x,
                                const int32_t* rows, int64_t topk, int64_t tile_m, bool pdl,
                                bool wait_first = false);
 
+// The fp8 grouped GEMM (ops.group_gemm_fp8) in `dtype` (x's and out's) on
+// `stream`: out (d.m, d.n) = rows of x, quantised per 128 channels, grouped
+// by expert times the block-scaled e4m3 w[e]^T (w (d.groups, d.n, d.k) codes,
+// w_scale (d.groups, ceil(d.n/128), ceil(d.k/128)) f32), as
+// kernels/cpu/group_gemm_fp8.h; rows past sum(sizes) zero. d.m > 0, d.n > 0.
+cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* x,
+                                  const uint8_t* w, const float* w_scale, const int32_t* sizes,
+                                  void* out, const GemmDims& d);
+
 // Whether the current device runs programmatic dependent launch (compute
 // capability 9.0+), for a caller that chains LaunchGroupGemmFor with other
 // kernels of one call (expert_mlp); asked once per device.

@@ -1,0 +1,88 @@
+// The group_gemm_fp8 handlers (ops.group_gemm_fp8): the grouped GEMM with
+// block-scaled e4m3 weights, x quantised per 128 channels inside the kernel.
+// CPU: csrc/kernels/cpu/group_gemm_fp8.cc; CUDA: the portable kernel
+// (kernels/cuda/group_gemm/fp8_simt.cuh).
+#include <cstdint>
+
+#include "ffi/ffi_common.h"
+#include "ffi/targets.h"
+#include "kernels/common/fp8_e4m3.h"
+#include "kernels/cpu/group_gemm_fp8.h"
+#ifdef JAX_MOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/group_gemm/launch.h"
+#endif
+
+namespace jax_moe {
+namespace {
+
+ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                             const ffi::Buffer<ffi::F32>& w_scale,
+                             const ffi::Buffer<ffi::S32>& sizes, const ffi::AnyBuffer& out,
+                             GemmDims* d) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto sd = w_scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3)
+    return InvalidArg("group_gemm_fp8: x must be (M, K), w (E, N, K) and w_scale rank 3");
+  *d = {xd[0], xd[1], wd[0], wd[1], xd[0]};
+  if (wd[2] != d->k) return InvalidArg("group_gemm_fp8: K of x and w differ");
+  if (w.element_type() != ffi::DataType::F8E4M3FN)
+    return InvalidArg("group_gemm_fp8: w must be float8_e4m3fn");
+  const int64_t nb = (d->n + kFp8Block - 1) / kFp8Block, kb = (d->k + kFp8Block - 1) / kFp8Block;
+  if (sd[0] != d->groups || sd[1] != nb || sd[2] != kb)
+    return InvalidArg("group_gemm_fp8: w_scale must be (E, ceil(N/128), ceil(K/128))");
+  if (static_cast<int64_t>(sizes.element_count()) != d->groups)
+    return InvalidArg("group_gemm_fp8: expert_sizes must have E entries");
+  if (out.element_type() != x.element_type())
+    return InvalidArg("group_gemm_fp8: the output must have x's dtype");
+  if (out.element_count() != static_cast<size_t>(d->m * d->n))
+    return InvalidArg("group_gemm_fp8: output must be (M, N)");
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                           ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
+                           ffi::Result<ffi::AnyBuffer> out) {
+  GemmDims d;
+  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
+    GroupGemmFp8<DT>(PoolOf(pool), x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
+                     w_scale.typed_data(), expert_sizes.typed_data(), d, out->untyped_data());
+    return ffi::Error::Success();
+  });
+}
+
+#ifdef JAX_MOE_WITH_CUDA
+ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  GemmDims d;
+  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
+    if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
+    return CudaError(
+        LaunchGroupGemmFp8For(stream, DT, x.untyped_data(),
+                              static_cast<const uint8_t*>(w.untyped_data()), w_scale.typed_data(),
+                              expert_sizes.typed_data(), out->untyped_data(), d),
+        "group_gemm_fp8 launch failed");
+  });
+}
+#endif
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupGemmFp8Cpu, GroupGemmFp8Cpu,
+                              GroupGemmFp8Signature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+#ifdef JAX_MOE_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kGroupGemmFp8Cuda, GroupGemmFp8Cuda,
+    GroupGemmFp8Signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+#endif
+
+}  // namespace jax_moe

@@ -1,0 +1,112 @@
+"""ops.group_gemm_fp8's kernels against the reference twin at the edges of the
+recipe: e4m3 rounding ties and subnormals, NaN and infinity in x, zero and
+huge block scales, all-zero rows, sizes that are not multiples of a tile
+(64 x 64) or of a scale block (128), and isolation: a bad row never changes
+another row's result. Runs on whatever device JAX has (CPU in CI, the GPU
+there)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import DTYPE_IDS, FLOAT_DTYPES, normal, rel_err
+from jax_moe import fp8, ops, reference
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def _weights(rng, experts, n, k):
+    return fp8.quantize_blocks(normal(rng, (experts, n, k), jnp.float32, k**-0.5))
+
+
+def _case(rng, name, dtype):
+    """(x, w, w_scale, sizes) of one edge case."""
+    m, n, k, sizes = 65, 65, 129, (20, 0, 45)  # one row, column, channel past a tile
+    x = np.array(normal(rng, (m, k), jnp.float32))
+    w, ws = _weights(rng, len(sizes), n, k)
+    if name == "ties":
+        # amax 448 makes the block's scale exactly 1: every value below is an
+        # exact midpoint of two e4m3 values, rounded to the even one.
+        mids = np.array([1.0625, 1.1875, 432.0, 2.0**-10, 1.5 * 2.0**-9, 7.5 * 2.0**-9, 3.25,
+                         -1.0625, -432.0, -7.5 * 2.0**-9])
+        x[:, :128] = np.resize(mids, (m, 128))
+        x[:, 5] = 448.0
+    elif name == "subnormal":
+        x[:, :128] *= 1e-3  # against the block's one large value: e4m3 subnormals
+        x[:, 7] = 300.0
+    elif name == "zero_rows":
+        x[3:9] = 0.0
+    elif name == "big":
+        x *= 1e30 if dtype == jnp.float32 else 1e3
+    elif name == "zero_scale":
+        ws = ws.at[0, :, 1].set(0.0)
+    elif name == "huge_scale":
+        ws = ws.at[2, 0, 0].set(1e30)
+    elif name == "nonfinite_x":
+        x[4, 128] = np.nan
+        x[30, 2] = np.inf
+    elif name == "nan_scale":
+        ws = ws.at[2, 0, 1].set(np.nan)
+    elif name == "one_token":
+        x, sizes = x[:1], (0, 1, 0)
+    elif name == "one_expert":
+        w, ws, sizes = w[:1], ws[:1], (m,)
+    return jnp.asarray(x, dtype), w, ws, jnp.asarray(sizes, jnp.int32)
+
+
+CASES = ["random", "ties", "subnormal", "zero_rows", "big", "zero_scale", "huge_scale",
+         "nonfinite_x", "nan_scale", "one_token", "one_expert"]
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", CASES)
+def test_kernels_match_the_twin(rng, name, dtype):
+    x, w, ws, sizes = _case(rng, name, dtype)
+    got = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)
+    want = np.asarray(reference.group_gemm_fp8(x, w, ws, sizes), np.float64)
+    assert got.shape == want.shape == (x.shape[0], w.shape[1])
+    if name == "nan_scale":
+        # The twin's ragged_dot carries a NaN weight into other experts' rows
+        # (0 x NaN); compare the NaN expert's rows (test below: the kernels
+        # keep the others finite).
+        got, want = got[20:], want[20:]
+    rerun = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)[-got.shape[0]:]
+    # The same non-finite outputs (NaN where a NaN reaches, the same infinities).
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.where(np.isinf(got), got, 0), np.where(np.isinf(want), want, 0))
+    fin = np.isfinite(want)
+    if np.any(want[fin]):
+        assert rel_err(got[fin], want[fin]) <= TOL[dtype], name
+    np.testing.assert_array_equal(got[~fin & ~np.isnan(want)], want[~fin & ~np.isnan(want)])
+    np.testing.assert_array_equal(np.isnan(rerun), np.isnan(got))
+    np.testing.assert_array_equal(rerun[~np.isnan(got)], got[~np.isnan(got)])  # the same bits
+
+
+@pytest.mark.sanitize
+def test_nonfinite_values_stay_in_their_row(rng):
+    """A NaN or an infinity in one row's input makes NaN of that row's outputs
+    only; every other row keeps the bits it has without them."""
+    x, w, ws, sizes = _case(rng, "random", jnp.bfloat16)
+    clean = np.asarray(ops.group_gemm_fp8(x, w, ws, sizes), np.float32)
+    bad = x.at[4, 128].set(jnp.nan).at[30, 2].set(jnp.inf)
+    got = np.asarray(ops.group_gemm_fp8(bad, w, ws, sizes), np.float32)
+    assert np.all(np.isnan(got[[4, 30]]))
+    others = np.setdiff1d(np.arange(x.shape[0]), [4, 30])
+    np.testing.assert_array_equal(got[others], clean[others])
+
+
+def test_nan_block_scale_reaches_its_block_only(rng):
+    x = normal(rng, (40, 256), jnp.float32)
+    w, ws = _weights(rng, 2, 200, 256)
+    sizes = jnp.asarray([10, 30], jnp.int32)
+    got = np.asarray(ops.group_gemm_fp8(x, w, ws.at[1, 0, 1].set(jnp.nan), sizes))
+    assert np.all(np.isnan(got[10:, :128]))  # expert 1's rows, the block's 128 columns
+    assert np.all(np.isfinite(got[:10])) and np.all(np.isfinite(got[10:, 128:]))
+
+
+def test_lowers_to_its_custom_call(rng):
+    x, w, ws, sizes = _case(rng, "random", jnp.bfloat16)
+    text = jax.jit(ops.group_gemm_fp8).lower(x, w, ws, sizes).as_text()
+    assert "jax_moe_group_gemm_fp8" in text
