@@ -71,6 +71,7 @@ class Layer:
     is_gated: bool = True
     tile_m: tuple = (None, None)
     remat: bool = False  # the backward recomputes the w13 GEMM instead of keeping it
+    fp8: bool = False  # w13 and w2 are block-scaled float8_e4m3fn (with w13_scale, w2_scale)
 
 
 # ---- building blocks (_check_basics) and bounds -----------------------------
@@ -304,8 +305,9 @@ def combine_args(y, topk_weights, src_to_dst) -> None:
 # ---- the routed layer -----------------------------------------------------------
 
 def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output,
-                  is_gated: bool) -> int:
-    """Shapes and dtypes of the routed layer; returns topk as an int."""
+                  is_gated: bool, fp8_weights: bool = False) -> int:
+    """Shapes and dtypes of the routed layer; returns topk as an int.
+    fp8_weights: w13 and w2 are float8_e4m3fn (their scales checked apart)."""
     is_gated = static_bool(is_gated, "is_gated")
     rank(hidden_states, "hidden_states", 2)
     rank(router_logits, "router_logits", 2)
@@ -313,8 +315,9 @@ def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expe
     rank(w2, "w2", 3)
     float_dtype(hidden_states, "hidden_states")
     float_dtype(router_logits, "router_logits")
-    same_dtype(hidden_states, "hidden_states", w13, "w13")
-    same_dtype(hidden_states, "hidden_states", w2, "w2")
+    if not fp8_weights:
+        same_dtype(hidden_states, "hidden_states", w13, "w13")
+        same_dtype(hidden_states, "hidden_states", w2, "w2")
     tokens, hidden = hidden_states.shape
     experts, up_width, h13 = w13.shape
     if router_logits.shape[0] != tokens:
@@ -390,19 +393,41 @@ def moe_layer_args(hidden_states, router_logits, w13, w2, topk_value, *, scoring
                  is_gated=bool(is_gated), tile_m=tile_pair(tile))  # is_gated: checked above
 
 
+def _fp8_weights(w13, w2, w13_scale, w2_scale) -> bool:
+    """Whether the layer's expert weights are block-scaled fp8: both weights
+    float8_e4m3fn with both scales, or neither (an error naming what is
+    missing or extra)."""
+    if w13_scale is None and w2_scale is None and not any(
+            getattr(w, "dtype", None) == fp8.FP8 for w in (w13, w2)):
+        return False
+    for w, name, scale, scale_name in ((w13, "w13", w13_scale, "w13_scale"),
+                                       (w2, "w2", w2_scale, "w2_scale")):
+        is_array(w, name)
+        if w.dtype != fp8.FP8:
+            raise TypeError(f"{name} must be float8_e4m3fn when fp8 weights are given "
+                            f"(with w13_scale and w2_scale), got {w.dtype}")
+        if scale is None:
+            raise ValueError(f"{name} is float8_e4m3fn: pass its block scales as {scale_name}")
+        fp8.check_block_scales(w, scale, name, scale_name)
+    return True
+
+
 def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormalize,
                  activation_name, is_gated, scoring_func, num_expert_group, topk_group,
                  e_score_correction_bias, routed_scaling_factor, shared_w13=None,
-                 shared_w2=None, shared_gate=None, shared_expert_output=None) -> Layer:
-    """moe_forward's (and moe_forward_sharded's) arguments, the shared experts included."""
+                 shared_w2=None, shared_gate=None, shared_expert_output=None, w13_scale=None,
+                 w2_scale=None) -> Layer:
+    """moe_forward's (and moe_forward_sharded's) arguments, the shared experts
+    and fp8 expert weights' scales included."""
     activation(activation_name)
+    fp8_weights = _fp8_weights(w13, w2, w13_scale, w2_scale)
     k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output,
-                      is_gated)
+                      is_gated, fp8_weights)
     routing = _layer_routing(router_logits, k, scoring_func, renormalize, num_expert_group,
                              topk_group, e_score_correction_bias, routed_scaling_factor)
     _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
     return Layer(routing=routing, activation=activation_name,
-                 is_gated=bool(is_gated))  # is_gated: checked above
+                 is_gated=bool(is_gated), fp8=fp8_weights)  # is_gated: checked above
 
 
 def decode_limits(hidden_states, w13, w2, k: int) -> str | None:

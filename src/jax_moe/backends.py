@@ -25,6 +25,7 @@ from jax_moe.ops.activation import _activation as _ffi_activation
 from jax_moe.ops.combine import _combine as _ffi_combine
 from jax_moe.ops.expand import _expand as _ffi_expand
 from jax_moe.ops.expert_mlp import _expert_mlp as _ffi_expert_mlp
+from jax_moe.ops.group_gemm_fp8 import _group_gemm_fp8 as _ffi_group_gemm_fp8
 from jax_moe.ops.moe_decode import _moe_decode as _ffi_moe_decode
 from jax_moe.ops.moe_layer import _moe_layer as _ffi_moe_layer
 from jax_moe.ops.route import _route as _ffi_route
@@ -65,17 +66,21 @@ class Steps:
     moe_layer: Callable
     # (hidden_states, router_logits, w13, w2, Routing) -> (1, H); within moe_decode's limits
     moe_decode: Callable
+    # (x, w float8_e4m3fn, w_scale, expert_sizes) -> (M, N): the block-scaled fp8 grouped GEMM
+    group_gemm_fp8: Callable
 
 
 _STEPS = types.MappingProxyType({
     "ffi": Steps(name="ffi", route=_ffi_route, token_index=_ffi_token_index, expand=_ffi_expand,
                  activation=_ffi_activation, expert_mlp=_ffi_expert_mlp, combine=_ffi_combine,
-                 moe_layer=_ffi_moe_layer, moe_decode=_ffi_moe_decode),
+                 moe_layer=_ffi_moe_layer, moe_decode=_ffi_moe_decode,
+                 group_gemm_fp8=_ffi_group_gemm_fp8),
     "reference": Steps(name="reference", route=reference._route,
                        token_index=reference._token_index, expand=reference._expand,
                        activation=reference._activation, expert_mlp=reference._expert_mlp,
                        combine=reference._combine, moe_layer=reference._moe_layer,
-                       moe_decode=reference._moe_decode),
+                       moe_decode=reference._moe_decode,
+                       group_gemm_fp8=reference._group_gemm_fp8),
 })
 
 

@@ -31,12 +31,26 @@ def _decode_applies(spec: _checks.Layer, a: dict) -> bool:
     """Whether ops.moe_decode computes this layer: softmax routing without
     groups or bias, gated SiLU, and the kernel's shape limits."""
     r = spec.routing
-    if (r.scoring_func != "softmax" or r.num_expert_group != 1
+    if (spec.fp8 or r.scoring_func != "softmax" or r.num_expert_group != 1
             or a["e_score_correction_bias"] is not None or spec.activation != "silu"
             or not spec.is_gated):
         return False
     # moe_forward has checked the arguments; only the kernel's limits remain.
     return _checks.decode_limits(a["hidden_states"], a["w13"], a["w2"], r.topk) is None
+
+
+def _fp8_routed(steps, spec: _checks.Layer, x, logits, w13, w2, bias, w13_scale, w2_scale):
+    """Steps 1-7 with block-scaled fp8 expert weights: the routing, index,
+    expansion, activation and combine steps as for bf16 weights, both GEMMs
+    the fp8 grouped GEMM (each row quantised per 128 channels)."""
+    r = spec.routing
+    experts = w13.shape[0]
+    weights, ids = steps.route(logits, bias, r)
+    src_to_dst, dst_to_src, sizes = steps.token_index(ids, experts, 0, experts)
+    h = steps.group_gemm_fp8(steps.expand(x, dst_to_src, r.topk), w13, w13_scale, sizes)
+    y = steps.group_gemm_fp8(steps.activation(h, spec.activation, spec.is_gated), w2, w2_scale,
+                             sizes)
+    return steps.combine(y, weights, src_to_dst, dst_to_src)
 
 
 def _layer(steps, spec: _checks.Layer, a: dict):
@@ -46,6 +60,9 @@ def _layer(steps, spec: _checks.Layer, a: dict):
     bias = a["e_score_correction_bias"]
 
     def routed(x, logits, w13, w2):  # steps 1-7, one call on the ffi backend
+        if spec.fp8:
+            return _fp8_routed(steps, spec, x, logits, w13, w2, bias, a["w13_scale"],
+                               a["w2_scale"])
         return steps.moe_layer(x, logits, w13, w2, bias, spec)
 
     def decode(x, logits, w13, w2):  # one token, the whole layer in one kernel
@@ -79,7 +96,7 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
                 topk_group: int | None = None, e_score_correction_bias=None,
                 routed_scaling_factor: float = 1.0, shared_w13=None, shared_w2=None,
                 shared_gate=None, shared_expert_output=None, remat: bool = False,
-                backend: str = "ffi"):
+                w13_scale=None, w2_scale=None, backend: str = "ffi"):
     """The MoE layer forward: route, group by expert, expert FFN, combine.
 
     hidden_states (T, H); router_logits (T, E) (any float dtype; routing in
@@ -106,6 +123,14 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     and the expert outputs (T*k rows of H) for it. remat=True keeps no w13
     output and recomputes that GEMM in the backward instead.
 
+    Block-scaled fp8 experts (DeepSeek-V3's and the Qwen3-MoE FP8 checkpoints'
+    weights): w13 and w2 in float8_e4m3fn with one f32 scale per 128 x 128
+    block, w13_scale (E, ceil(2*I/128), ceil(H/128)) and w2_scale (E,
+    ceil(H/128), ceil(I/128)) (the checkpoints' ``weight_scale_inv``). Both
+    GEMMs then run ``ops.group_gemm_fp8`` (each row of their input quantised
+    per 128 channels); the rest of the layer is unchanged. Not
+    differentiable with fp8 weights (inference).
+
     backend: "ffi" (the custom calls) or "reference" (plain jax.numpy); see
     jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``
     (softmax routing without groups or bias, gated SiLU) runs ops.moe_decode.
@@ -120,14 +145,16 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
         num_expert_group=num_expert_group, topk_group=topk_group,
         e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor, shared_w13=shared_w13, shared_w2=shared_w2,
-        shared_gate=shared_gate, shared_expert_output=shared_expert_output)
+        shared_gate=shared_gate, shared_expert_output=shared_expert_output,
+        w13_scale=w13_scale, w2_scale=w2_scale)
     if not isinstance(remat, bool):
         raise TypeError(f"remat must be a bool, got {type(remat).__name__}")
     spec = dataclasses.replace(spec, remat=remat)
     arrays = dict(hidden_states=hidden_states, router_logits=router_logits, w13=w13, w2=w2,
                   e_score_correction_bias=e_score_correction_bias, shared_w13=shared_w13,
                   shared_w2=shared_w2, shared_gate=shared_gate,
-                  shared_expert_output=shared_expert_output)
+                  shared_expert_output=shared_expert_output, w13_scale=w13_scale,
+                  w2_scale=w2_scale)
     return _layer(steps, spec, arrays)
 
 
@@ -192,7 +219,7 @@ class MoELayer:
 
     def __call__(self, hidden_states, router_logits, w13, w2, **arrays):
         """arrays: e_score_correction_bias, shared_w13, shared_w2, shared_gate,
-        shared_expert_output (as moe_forward)."""
+        shared_expert_output, w13_scale, w2_scale (as moe_forward)."""
         c = self.config
         if hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(
@@ -206,7 +233,7 @@ class MoELayer:
 
 
 _ARRAYS = ("e_score_correction_bias", "shared_w13", "shared_w2", "shared_gate",
-           "shared_expert_output")
+           "shared_expert_output", "w13_scale", "w2_scale")
 
 
 def _config_arrays(c: MoEConfig, arrays: dict) -> None:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moe import _checks, backends
+from jax_moe import _checks, backends, fp8
 from jax_moe._exchange import exchange
 
 __all__ = ["moe_forward_sharded", "moe_shardings", "STRATEGIES", "AUTO_ALLGATHER_MAX_EP"]
@@ -137,6 +137,9 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
     backends.get(backend)  # raises ValueError for an unknown backend
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    if any(getattr(w, "dtype", None) == fp8.FP8 for w in (w13, w2)):
+        raise NotImplementedError("moe_forward_sharded does not take float8_e4m3fn expert "
+                                  "weights; moe_forward does (w13_scale, w2_scale)")
     w13_3d = _w13_as_3d(w13)
     spec = _checks.forward_args(hidden_states, router_logits, w13_3d, w2, topk,
                                 renormalize=renormalize, activation_name=activation,
