@@ -59,7 +59,7 @@ def _layer(steps, spec: _checks.Layer, a: dict):
     x = a["hidden_states"]
     bias = a["e_score_correction_bias"]
 
-    def routed(x, logits, w13, w2):  # steps 1-7, one call on the ffi backend
+    def routed(x, logits, w13, w2):  # steps 1-7 (one ffi call for float weights)
         if spec.fp8:
             return _fp8_routed(steps, spec, x, logits, w13, w2, bias, a["w13_scale"],
                                a["w2_scale"])
