@@ -91,15 +91,17 @@ class _Block:
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def get(self, name: str, shape=None, rank: int | None = None, what: str = "") -> np.ndarray:
-        """The array `name` as numpy, checked against `shape` (None entries: any)."""
+    def get(self, name: str, shape=None, rank: int | None = None, what: str = "",
+            raw_fp8: bool = False) -> np.ndarray:
+        """The array `name` as numpy, checked against `shape` (None entries:
+        any); an fp8 weight dequantised unless raw_fp8 (its codes as stored)."""
         key = self.full(name)
         if name not in self.names:
             hint = f" ({what})" if what else ""
             raise KeyError(f"missing key {key!r}{hint}")
         arr = _as_numpy(self.sd[key], key)
         self.used.add(name)
-        if arr.dtype == fp8.FP8:
+        if arr.dtype == fp8.FP8 and not raw_fp8:
             arr = self._dequantized(name, arr)
         if shape is not None:
             rank = len(shape)
@@ -111,9 +113,8 @@ class _Block:
             raise ValueError(f"{key!r} has shape {arr.shape}, expected {want}")
         return arr
 
-    def _dequantized(self, name: str, values: np.ndarray) -> np.ndarray:
-        """An fp8 weight times its 128 x 128 block scales (`name`_scale_inv),
-        in self.dequantize_to."""
+    def block_scales(self, name: str, values: np.ndarray) -> np.ndarray:
+        """The f32 128 x 128 block scales (`name`_scale_inv) of fp8 weight `name`."""
         key, scale_name = self.full(name), name + "_scale_inv"
         if values.ndim != 2:
             raise ValueError(f"{key!r} is float8_e4m3fn with shape {values.shape}: block-scaled "
@@ -121,12 +122,19 @@ class _Block:
         if scale_name not in self.names:
             raise KeyError(f"missing key {self.full(scale_name)!r}: {key!r} is float8_e4m3fn "
                            f"and needs its 128 x 128 block scales")
+        n, k = values.shape
+        return self.get(scale_name, (fp8.blocks(n), fp8.blocks(k)),
+                        what="the weight's 128 x 128 block scales").astype(np.float32)
+
+    def _dequantized(self, name: str, values: np.ndarray) -> np.ndarray:
+        """An fp8 weight times its 128 x 128 block scales (`name`_scale_inv),
+        in self.dequantize_to."""
+        key = self.full(name)
+        scales = self.block_scales(name, values)
         if self.dequantize_to is None:
             raise ValueError(f"{key!r} is a block-scaled fp8 weight: pass dtype= (e.g. "
-                             f"jnp.bfloat16) to convert it dequantised")
+                             f"jnp.bfloat16) to convert it dequantised, or keep_fp8=True")
         n, k = values.shape
-        scales = self.get(scale_name, (fp8.blocks(n), fp8.blocks(k)),
-                          what="the weight's 128 x 128 block scales").astype(np.float32)
         full = np.repeat(np.repeat(scales, fp8.BLOCK, axis=0), fp8.BLOCK, axis=1)[:n, :k]
         return (values.astype(np.float32) * full).astype(self.dequantize_to)
 
@@ -188,8 +196,10 @@ def _result_dtype(arrays, dtype):
     return jnp.result_type(*[a.dtype for a in arrays])
 
 
-def _routed_experts(b: _Block, layout: str, num_experts: int, hidden: int, dtype):
-    """(w13 (E, 2I, H), w2 (E, H, I)) as numpy arrays."""
+def _routed_experts(b: _Block, layout: str, num_experts: int, hidden: int, dtype,
+                    keep_fp8: bool = False):
+    """(w13 (E, 2I, H), w2 (E, H, I)) as numpy arrays; with keep_fp8 and fp8
+    experts, (w13, w2, w13_scale, w2_scale) with the codes as stored."""
     fused = b.has("experts.gate_up_proj") or b.has("experts.down_proj")
     indices = sorted({int(m.group(1)) for n in b.names if (m := _EXPERT_KEY.match(n))})
     if fused:
@@ -225,7 +235,10 @@ def _routed_experts(b: _Block, layout: str, num_experts: int, hidden: int, dtype
             f"numbered 0..{num_experts - 1} without gaps ({b.full('gate.weight')!r} has "
             f"E={num_experts} rows), missing expert(s) {missing[:8]}")
 
-    first = b.get(f"experts.0.{g_name}.weight", (None, hidden), what="expert 0's gate projection")
+    first = b.get(f"experts.0.{g_name}.weight", (None, hidden), what="expert 0's gate projection",
+                  raw_fp8=keep_fp8)
+    if keep_fp8 and first.dtype == fp8.FP8:
+        return _routed_experts_fp8(b, num_experts, hidden, (g_name, u_name, d_name), first)
     inter = first.shape[0]
     out_dtype = first.dtype if dtype is None else dtype
     # Filled expert by expert: a lazily loading state dict never holds more
@@ -244,6 +257,37 @@ def _routed_experts(b: _Block, layout: str, num_experts: int, hidden: int, dtype
                     f"is {out_dtype}: pass dtype= to convert mixed-precision experts")
             dst[...] = a
     return w13, w2
+
+
+def _routed_experts_fp8(b: _Block, num_experts: int, hidden: int, names, first):
+    """The routed experts kept in fp8: w13 (E, 2I, H) and w2 (E, H, I) codes,
+    w13_scale (E, 2I/128, ceil(H/128)) and w2_scale (E, ceil(H/128),
+    ceil(I/128)). The gate's and the up projection's block rows stack into
+    w13's only when I is a multiple of 128 (else a block would straddle them)."""
+    g_name, u_name, d_name = names
+    inter = first.shape[0]
+    if inter % fp8.BLOCK:
+        raise ValueError(
+            f"{b.full(f'experts.0.{g_name}.weight')!r} has I={inter} rows: keep_fp8 stacks the "
+            f"gate and up projections' 128-row scale blocks into w13's, so I must be a multiple "
+            f"of {fp8.BLOCK} (convert with dtype= and keep_fp8=False to dequantise)")
+    ib, hb = inter // fp8.BLOCK, fp8.blocks(hidden)
+    w13 = np.empty((num_experts, 2 * inter, hidden), fp8.FP8)
+    w2 = np.empty((num_experts, hidden, inter), fp8.FP8)
+    s13 = np.empty((num_experts, 2 * ib, hb), np.float32)
+    s2 = np.empty((num_experts, hb, fp8.blocks(inter)), np.float32)
+    for e in range(num_experts):
+        for name, shape, dst, sdst in ((g_name, (inter, hidden), w13[e, :inter], s13[e, :ib]),
+                                       (u_name, (inter, hidden), w13[e, inter:], s13[e, ib:]),
+                                       (d_name, (hidden, inter), w2[e], s2[e])):
+            key = f"experts.{e}.{name}.weight"
+            a = first if e == 0 and name == g_name else b.get(key, shape, raw_fp8=True)
+            if a.dtype != fp8.FP8:
+                raise ValueError(f"{b.full(key)!r} is {a.dtype} but keep_fp8 found expert 0 in "
+                                 f"float8_e4m3fn: every routed expert must be fp8 to keep fp8")
+            dst[...] = a
+            sdst[...] = b.block_scales(key, a)
+    return w13, w2, s13, s2
 
 
 def _shared_expert(b: _Block, name: str, hidden: int, dtype):
@@ -267,7 +311,7 @@ def _unrecognised(b: _Block, layout: str, names) -> None:
 
 
 def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | None = None,
-                      dtype=None) -> dict:
+                      dtype=None, keep_fp8: bool = False) -> dict:
     """One Hugging Face MoE block's weights -> ``moe_forward``'s arrays.
 
     state_dict: a mapping name -> array-like (numpy, jax, torch, anything with
@@ -299,7 +343,15 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
     with its ``weight_scale_inv`` (one f32 scale per 128 x 128 block, shape
     (ceil(rows/128), ceil(cols/128))) is converted dequantised (value x its
     block's scale, computed in f32) to `dtype`, which must then be given.
+    With keep_fp8=True the routed experts stay fp8 instead: ``w13`` and
+    ``w2`` hold the checkpoint's float8_e4m3fn codes and the result gains
+    ``w13_scale`` (E, 2I/128, ceil(H/128)) and ``w2_scale`` (E, ceil(H/128),
+    ceil(I/128)), ``moe_forward``'s arguments of those names (I must be a
+    multiple of 128). The router and shared experts are still converted to
+    `dtype` (dequantised where fp8).
     """
+    if not isinstance(keep_fp8, bool):
+        raise TypeError(f"keep_fp8 must be a bool, got {type(keep_fp8).__name__}")
     prefix = _norm_prefix(prefix)
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or None (detect), got {layout!r}")
@@ -323,7 +375,10 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
         bias = b.get("gate.e_score_correction_bias", (num_experts,))
         out["e_score_correction_bias"] = bias.astype(np.float32)
 
-    out["w13"], out["w2"] = _routed_experts(b, layout, num_experts, hidden, dtype)
+    routed = _routed_experts(b, layout, num_experts, hidden, dtype, keep_fp8)
+    out["w13"], out["w2"] = routed[:2]
+    if len(routed) == 4:
+        out["w13_scale"], out["w2_scale"] = routed[2:]
 
     shared = _SHARED[layout]
     if shared is not None and any(n.startswith(shared + ".") for n in b.names):
@@ -342,8 +397,10 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
 
     result = {}
     for name, arr in out.items():
-        if name == "e_score_correction_bias":
+        if name in ("e_score_correction_bias", "w13_scale", "w2_scale"):
             result[name] = jnp.asarray(arr, jnp.float32)
+        elif arr.dtype == fp8.FP8:  # kept fp8 codes: never cast
+            result[name] = jnp.asarray(arr)
         elif dtype is not None:
             result[name] = jnp.asarray(arr, dtype)
         else:

@@ -11,7 +11,7 @@ try:
     from flax import nnx
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        "jax_moe.nn needs Flax (the NNX API, flax >= 0.11): install it with "
+        "jax_moe.nn needs Flax (the NNX API, flax >= 0.12): install it with "
         "`pip install flax`") from e
 
 import functools
@@ -120,6 +120,9 @@ class MoE(nnx.Module):
         self.shared_w2 = nnx.Param(values["shared_w2"]) if i_s else None
         self.shared_gate = (nnx.Param(values["shared_gate"].reshape(h))
                             if c.shared_expert_gate else None)
+        # Block scales of fp8 experts (from_state_dict(..., keep_fp8=True)), else None.
+        self.w13_scale = None
+        self.w2_scale = None
 
     def __call__(self, x, *, return_aux: bool = False):
         c = self.config
@@ -134,11 +137,16 @@ class MoE(nnx.Module):
         logits = jnp.dot(x2.astype(jnp.float32), self.router[...].astype(jnp.float32).T,
                          preferred_element_type=jnp.float32)
         bias = self.e_score_correction_bias
+        fp8_experts = self.w13_scale is not None  # fp8 codes and scales, used as stored
         out = moe_forward(
-            x2, logits, cast(self.w13), cast(self.w2),
+            x2, logits, self.w13[...] if fp8_experts else cast(self.w13),
+            self.w2[...] if fp8_experts else cast(self.w2),
             e_score_correction_bias=None if bias is None else bias[...],
             shared_w13=cast(self.shared_w13), shared_w2=cast(self.shared_w2),
-            shared_gate=cast(self.shared_gate), backend=self.backend, **c.forward_kwargs())
+            shared_gate=cast(self.shared_gate),
+            w13_scale=self.w13_scale[...] if fp8_experts else None,
+            w2_scale=self.w2_scale[...] if fp8_experts else None,
+            backend=self.backend, **c.forward_kwargs())
         out = out.reshape(*lead, c.hidden_size)
         if not return_aux:
             return out
@@ -152,15 +160,22 @@ class MoE(nnx.Module):
     @classmethod
     def from_state_dict(cls, config: MoEConfig, state_dict, *, prefix: str = "",
                         layout: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
-                        backend: str = "ffi") -> MoE:
+                        backend: str = "ffi", keep_fp8: bool = False) -> MoE:
         """A MoE holding the weights of one Hugging Face MoE block
         (``jax_moe.convert.convert_moe_block(state_dict, prefix=..., layout=...)``),
         cast to param_dtype. The weights must match `config` (use
         ``convert.config_from_hf`` on the model's config.json): a mismatch
         raises ValueError, a tensor the config needs but the state dict lacks
-        KeyError. No random initialisation is done."""
+        KeyError. No random initialisation is done.
+
+        keep_fp8=True with an FP8 checkpoint: the routed experts stay
+        block-scaled fp8 (``convert_moe_block(..., keep_fp8=True)``) and are
+        held as Buffers, not Params (they are not trained), with their scales
+        in ``w13_scale`` and ``w2_scale``; the forward runs moe_forward's fp8
+        path. The router and shared experts are Params in param_dtype."""
         arrays = convert.convert_moe_block(state_dict, prefix=prefix, layout=layout,
-                                           dtype=param_dtype)
+                                           dtype=param_dtype, keep_fp8=keep_fp8)
+        scales = {n: arrays.pop(n) for n in ("w13_scale", "w2_scale") if n in arrays}
         # Build the module abstractly (no init cost), then fill in the arrays.
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
                                            param_dtype=param_dtype, backend=backend))
@@ -186,6 +201,11 @@ class MoE(nnx.Module):
                 raise ValueError(
                     f"{name} from the state dict under {p!r} has shape {value.shape}, the config "
                     f"expects {var.shape} ({_config_hint(name)})")
+            if scales and name in ("w13", "w2"):
+                setattr(model, name, Buffer(value))  # fp8 codes: held, not trained
+                # data, not a static attribute (it was None when built)
+                setattr(model, name + "_scale", nnx.data(Buffer(scales[name + "_scale"])))
+                continue
             var.set_value(value)
         return model
 

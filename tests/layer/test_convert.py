@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from common import assert_equal, rel_err
-from jax_moe import MoEConfig, moe_forward
+from jax_moe import MoEConfig, fp8, moe_forward
 from jax_moe.convert import LAYOUTS, config_from_hf, convert_moe_block, detect_layout
 
 BACKENDS = ["reference", "ffi"]
@@ -601,3 +601,63 @@ def test_fp8_checkpoint_errors_name_the_key(rng):
     sd["experts.0.down_proj.weight"] = np.zeros((200, 136), np.float32)
     _raises(ValueError, "experts.0.down_proj.weight_scale_inv",
             lambda: convert_moe_block(sd, dtype=jnp.bfloat16))
+
+
+def test_fp8_checkpoint_kept_fp8(rng):
+    """keep_fp8: the routed experts' codes and block scales as stored
+    (gate and up stacked), the router and shared experts dequantised."""
+    sd = _fp8_deepseek(rng, e=3, h=200, i=256, i_s=136)
+    out = convert_moe_block(sd, dtype=jnp.bfloat16, keep_fp8=True)
+    assert out["w13"].dtype == jnp.float8_e4m3fn and out["w13"].shape == (3, 512, 200)
+    assert out["w2"].dtype == jnp.float8_e4m3fn and out["w2"].shape == (3, 200, 256)
+    assert out["w13_scale"].shape == (3, 4, 2) and out["w2_scale"].shape == (3, 2, 2)
+    for x in range(3):
+        codes = {p: sd[f"experts.{x}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+        scales = {p: sd[f"experts.{x}.{p}.weight_scale_inv"]
+                  for p in ("gate_proj", "up_proj", "down_proj")}
+        assert_equal(out["w13"][x], np.concatenate([codes["gate_proj"], codes["up_proj"]]),
+                     f"w13[{x}]")
+        assert_equal(out["w13_scale"][x],
+                     np.concatenate([scales["gate_proj"], scales["up_proj"]]), f"w13_scale[{x}]")
+        assert_equal(out["w2"][x], codes["down_proj"], f"w2[{x}]")
+        assert_equal(out["w2_scale"][x], scales["down_proj"], f"w2_scale[{x}]")
+    assert out["shared_w13"].dtype == jnp.bfloat16  # dequantised, as without keep_fp8
+    # The kept weights are the dequantised conversion's numbers.
+    deq = convert_moe_block(sd, dtype=jnp.float32)
+    assert_equal(fp8.dequantize_blocks(out["w13"], out["w13_scale"]), deq["w13"], "w13")
+    assert_equal(fp8.dequantize_blocks(out["w2"], out["w2_scale"]), deq["w2"], "w2")
+
+
+def test_fp8_checkpoint_round_trip_runs_the_layer(rng):
+    """A small random FP8 block converted with keep_fp8 runs moe_forward on
+    both backends with the same result."""
+    e, h, i = 4, 256, 128
+    sd = {"gate.weight": rng.standard_normal((e, h)).astype(np.float32),
+          "gate.e_score_correction_bias": rng.uniform(0, 0.3, e).astype(np.float32)}
+    for x in range(e):
+        for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            codes, scales = fp8.quantize_blocks(jnp.asarray(
+                rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32))
+            sd[f"experts.{x}.{p}.weight"] = np.asarray(codes)
+            sd[f"experts.{x}.{p}.weight_scale_inv"] = np.asarray(scales)
+    out = convert_moe_block(sd, dtype=jnp.bfloat16, keep_fp8=True)
+    x = jnp.asarray(rng.standard_normal((24, h)), jnp.bfloat16)
+    logits = (x.astype(jnp.float32) @ out["router"].astype(jnp.float32).T)
+    kw = dict(topk=2, scoring_func="sigmoid", e_score_correction_bias=out["e_score_correction_bias"],
+              w13_scale=out["w13_scale"], w2_scale=out["w2_scale"])
+    got = moe_forward(x, logits, out["w13"], out["w2"], **kw)
+    want = moe_forward(x, logits, out["w13"], out["w2"], backend="reference", **kw)
+    assert rel_err(got, want) <= 2e-2
+
+
+def test_fp8_keep_errors(rng):
+    sd = _fp8_deepseek(rng, i=136)  # I = 136: gate and up blocks would straddle
+    msg = _raises(ValueError, "experts.0.gate_proj.weight",
+                  lambda: convert_moe_block(sd, dtype=jnp.bfloat16, keep_fp8=True))
+    assert "multiple of 128" in msg
+    sd = _fp8_deepseek(rng, i=128)
+    sd["experts.1.up_proj.weight"] = np.zeros((128, 200), np.float32)
+    _raises(ValueError, "experts.1.up_proj.weight",
+            lambda: convert_moe_block(sd, dtype=jnp.bfloat16, keep_fp8=True))
+    with pytest.raises(TypeError, match="keep_fp8 must be a bool"):
+        convert_moe_block(_fp8_deepseek(rng, i=128), dtype=jnp.bfloat16, keep_fp8="yes")

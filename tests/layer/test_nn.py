@@ -239,3 +239,38 @@ def test_from_fp8_state_dict(rng):
     assert_equal(model.w2[3], want.astype(jnp.bfloat16), "w2[3] = values x scale")
     out = call(model, jnp.asarray(rng.standard_normal((4, H)), jnp.bfloat16))
     assert out.shape == (4, H) and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+
+
+def test_from_fp8_state_dict_kept_fp8(rng):
+    """keep_fp8: the routed experts stay e4m3 with their block scales, held
+    as Buffers (not Params: not trained), and the forward runs moe_forward's
+    fp8 path with them."""
+    from jax_moe import fp8
+
+    e, h, i = 4, 64, 128
+    cfg = MoEConfig(num_experts=e, topk=2, hidden_size=h, intermediate_size=i,
+                    scoring_func="sigmoid", use_correction_bias=True)
+    sd = {"gate.weight": rng.standard_normal((e, h)).astype(np.float32) / 4,
+          "gate.e_score_correction_bias": rng.uniform(0, 0.3, e).astype(np.float32)}
+    for x in range(e):
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            codes, scales = fp8.quantize_blocks(jnp.asarray(
+                rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32))
+            sd[f"experts.{x}.{proj}.weight"] = np.asarray(codes)
+            sd[f"experts.{x}.{proj}.weight_scale_inv"] = np.asarray(scales)
+    model = MoE.from_state_dict(cfg, sd, layout="deepseek", param_dtype=jnp.bfloat16,
+                                dtype=jnp.bfloat16, keep_fp8=True)
+    a = convert_moe_block(sd, layout="deepseek", dtype=jnp.bfloat16, keep_fp8=True)
+    for k in ("w13", "w2", "w13_scale", "w2_scale"):
+        assert isinstance(getattr(model, k), Buffer), k
+        assert_equal(getattr(model, k)[...], a[k], k)
+    assert model.w13[...].dtype == jnp.float8_e4m3fn
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert len(params) == 1  # the router only
+    x = jnp.asarray(rng.standard_normal((6, h)), jnp.bfloat16)
+    got = call(model, x)
+    logits = x.astype(jnp.float32) @ a["router"].astype(jnp.float32).T
+    want = moe_forward(x, logits, a["w13"], a["w2"], e_score_correction_bias=a[
+        "e_score_correction_bias"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
+        **cfg.forward_kwargs())
+    assert_equal(got, want, "the module's forward")
