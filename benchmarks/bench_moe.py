@@ -12,7 +12,13 @@ of the experts the batch touches plus activations in and out. The method and
 the H200's numbers: docs/performance.md.
 
     python benchmarks/bench_moe.py             # the full grid (meant for the GPU)
+    python benchmarks/bench_moe.py --fp8       # the same with block-scaled fp8 experts
     python benchmarks/bench_moe.py --quick     # tiny shapes, any backend (CI smoke)
+
+With --fp8 the experts' weights are float8_e4m3fn with 128 x 128 block
+scales (moe_forward's w13_scale, w2_scale); the floor counts one byte a
+weight plus the scales, and twice the bf16 matmul rate (Hopper's fp8 tensor
+cores).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from _bench_common import (after, chain, check_least, per_call_seconds, pick_sha
                            wall_time, write_json)
 
 import jax_moe
+from jax_moe import fp8 as fp8_format
 
 SHAPES = {  # name: (H, I, E, k)
     **jax_moe.tuning.MODEL_SHAPES,
@@ -81,18 +88,19 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 
     slices of the tokens one after another (lax.map; routing is per token, so
     the result is the same), for a path that cannot compile the whole batch."""
 
-    def layer(h, lg, w13, w2, bias):
+    def layer(h, lg, w13, w2, bias, scales):
         return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend,
-                                   e_score_correction_bias=bias, **routing)
+                                   e_score_correction_bias=bias, w13_scale=scales[0],
+                                   w2_scale=scales[1], **routing)
 
     @jax.jit
-    def run(x, logits, w13, w2, bias):
+    def run(x, logits, w13, w2, bias, scales):
         def body(i, h):
             lg = after(logits[i % logits.shape[0]], h)
             if chunks == 1:
-                return layer(h, lg, w13, w2, bias)
+                return layer(h, lg, w13, w2, bias, scales)
             t = h.shape[0]
-            out = jax.lax.map(lambda a: layer(a[0], a[1], w13, w2, bias),
+            out = jax.lax.map(lambda a: layer(a[0], a[1], w13, w2, bias, scales),
                               (h.reshape(chunks, t // chunks, -1),
                                lg.reshape(chunks, t // chunks, -1)))
             return out.reshape(h.shape)
@@ -102,13 +110,21 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 
 
 
 def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_rate, rng,
-               ref_chunks=1):
+               ref_chunks=1, fp8=False):
     h, i, e, k = shape
     keys = jax.random.split(jax.random.PRNGKey(rng.integers(1 << 30)), 4)
     x = (jax.random.normal(keys[0], (tokens, h), jnp.float32)).astype(dtype)
     logits = jax.random.normal(keys[1], (ROUTINGS, tokens, e), jnp.float32)
-    w13 = (jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5).astype(dtype)
-    w2 = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5).astype(dtype)
+    w13 = jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5
+    w2 = jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5
+    if fp8:
+        (w13, s13), (w2, s2) = fp8_format.quantize_blocks(w13), fp8_format.quantize_blocks(w2)
+        scales = (s13, s2)
+        # one byte a weight, and each expert's scales (f32)
+        per_expert = 3 * h * i + 4 * (s13[0].size + s2[0].size)
+    else:
+        w13, w2, scales = w13.astype(dtype), w2.astype(dtype), (None, None)
+        per_expert = 3 * h * i * jnp.dtype(dtype).itemsize
 
     routing = ROUTING.get(name, {})
     # DeepSeek-V3's bias: small random offsets, as a trained checkpoint has.
@@ -117,11 +133,12 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_
         logits[r], k, e_score_correction_bias=bias, **routing)[1]) for r in range(ROUTINGS)])
     touched = np.mean([len(np.unique(ids[r])) for r in range(ROUTINGS)])
     item = jnp.dtype(dtype).itemsize
-    nbytes = touched * 3 * h * i * item + 2 * tokens * h * item
+    nbytes = touched * per_expert + 2 * tokens * h * item
     flops = 2.0 * tokens * k * 3 * h * i
     floor = max(nbytes / bw, flops / flops_rate)
 
     row = {"shape": name, "tokens": tokens, "H": h, "I": i, "E": e, "k": k,
+           "weights": "float8_e4m3fn" if fp8 else jnp.dtype(dtype).name,
            "experts_touched": float(touched), "floor_us": floor * 1e6, "reference_chunks": None}
     for backend, n_calls in (("ffi", calls), ("reference", ref_calls)):
         row[f"{backend}_us"] = None
@@ -131,8 +148,8 @@ def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_
         while tokens % chunks == 0:
             def program(n, backend=backend, chunks=chunks):
                 run = make_loop(backend, k, n, routing, chunks)
-                run(x, logits, w13, w2, bias).block_until_ready()  # compile + warm-up
-                return lambda: run(x, logits, w13, w2, bias).block_until_ready()
+                run(x, logits, w13, w2, bias, scales).block_until_ready()  # compile + warm-up
+                return lambda: run(x, logits, w13, w2, bias, scales).block_until_ready()
 
             try:
                 row[f"{backend}_us"] = per_call_seconds(program, n_calls, repeats) * 1e6
@@ -198,6 +215,8 @@ def main() -> None:
                         "used, after a '/'). Slices run in a lax.map: on the GPU its while loop "
                         "adds a host round trip per slice, small beside a slice's milliseconds")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--fp8", action="store_true",
+                   help="block-scaled float8_e4m3fn expert weights (128 x 128 scales)")
     p.add_argument("--json", default="bench_moe.json")
     p.add_argument("--plot", default="bench_moe.png")
     args = p.parse_args()
@@ -211,16 +230,16 @@ def main() -> None:
     repeats = 2 if args.quick else args.repeats
     dtype = jnp.float32 if args.quick and jax.default_backend() == "cpu" else jnp.bfloat16
     measured_bw, measured_rate = measure_ceilings(args.quick)
-    bw, rate = FLOOR_BANDWIDTH, FLOOR_MATMUL
+    bw, rate = FLOOR_BANDWIDTH, FLOOR_MATMUL * (2 if args.fp8 else 1)
     dev = jax.devices()[0].device_kind
     print(f"# {date.today()} {dev} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"{jnp.dtype(dtype).name}; floor from {bw / 1e12:.1f} TB/s and {rate / 1e12:.0f} TFLOP/s; "
+          f"{jnp.dtype(dtype).name}{', fp8 experts' if args.fp8 else ''}; floor from {bw / 1e12:.1f} TB/s and {rate / 1e12:.0f} TFLOP/s; "
           f"measured in this run: {measured_bw / 1e12:.2f} TB/s copy, {measured_rate / 1e12:.0f} TFLOP/s matmul")
     meta = {"date": str(date.today()), "device": dev, "backend": jax.default_backend(),
             "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
             "floor_bandwidth_Bps": bw, "floor_matmul_flops": rate,
             "measured_bandwidth_Bps": measured_bw, "measured_matmul_flops": measured_rate,
-            "quick": args.quick, "calls": {t: calls_for(t) for t in tokens}, "ref_calls": ref_calls,
+            "fp8": args.fp8, "quick": args.quick, "calls": {t: calls_for(t) for t in tokens}, "ref_calls": ref_calls,
             "ref_chunks": args.ref_chunks,
             "repeats": repeats}
     rng = np.random.default_rng(0)
@@ -231,7 +250,7 @@ def main() -> None:
     for name, shape in shapes.items():
         for t in tokens:
             r = bench_case(name, shape, t, dtype, calls_for(t), ref_calls, repeats, bw, rate, rng,
-                           args.ref_chunks)
+                           args.ref_chunks, args.fp8)
             rows.append(r)
             write_json(args.json, meta, rows)  # after each case: a cut-off run keeps its rows
             ref = ("-" if ref_calls == 0 else "failed") if r["reference_us"] is None \
