@@ -92,6 +92,7 @@ class _Plan:
     routing: _checks.Routing  # checked; num_expert_group = topk_group = 1 when not grouped
     activation: str
     backend: str
+    fp8: bool = False       # block-scaled float8_e4m3fn experts (w13_scale, w2_scale)
 
     @property
     def topk(self):
@@ -131,19 +132,18 @@ def _resolve_axis(mesh: Mesh, name, role: str):
 
 
 def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_axis,
-               renormalize, activation, shared_expert_output, backend, strategy, routing=None):
+               renormalize, activation, shared_expert_output, backend, strategy, routing=None,
+               w13_scale=None, w2_scale=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     backends.get(backend)  # raises ValueError for an unknown backend
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
-    if any(getattr(w, "dtype", None) == fp8.FP8 for w in (w13, w2)):
-        raise NotImplementedError("moe_forward_sharded does not take float8_e4m3fn expert "
-                                  "weights; moe_forward does (w13_scale, w2_scale)")
     w13_3d = _w13_as_3d(w13)
     spec = _checks.forward_args(hidden_states, router_logits, w13_3d, w2, topk,
                                 renormalize=renormalize, activation_name=activation,
                                 is_gated=True, shared_expert_output=shared_expert_output,
+                                w13_scale=w13_scale, w2_scale=w2_scale,
                                 **(routing or _PLAIN_ROUTING))
 
     ep = _resolve_axis(mesh, ep_axis, "ep_axis")
@@ -162,11 +162,16 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
         raise ValueError(
             f"intermediate_size I={inter} is not divisible by the size of the tp axis "
             f"({tp!r}: tp={n_tp}); tensor parallelism needs I % tp == 0")
+    if spec.fp8 and inter % (fp8.BLOCK * n_tp):
+        raise ValueError(
+            f"intermediate_size I={inter} with fp8 experts must be a multiple of "
+            f"{fp8.BLOCK} * tp ({tp!r}: tp={n_tp}): each device's I slice, and the gate/up "
+            f"halves of w13, must hold whole 128-row scale blocks")
     if strategy == "auto":
         strategy = "allgather" if n_ep <= AUTO_ALLGATHER_MAX_EP else "all_to_all"
     return _Plan(mesh=mesh, ep=ep, tp=tp, n_ep=n_ep, n_tp=n_tp, strategy=strategy,
                  tokens=hidden_states.shape[0], experts=experts, inter=inter,
-                 routing=spec.routing, activation=activation, backend=backend)
+                 routing=spec.routing, activation=activation, backend=backend, fp8=spec.fp8)
 
 
 def _w13_as_3d(w13):
@@ -188,7 +193,7 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
                         topk_group: int | None = None, e_score_correction_bias=None,
                         routed_scaling_factor: float = 1.0,
                         shared_expert_output=None, backend: str = "ffi",
-                        strategy: str = "auto"):
+                        strategy: str = "auto", w13_scale=None, w2_scale=None):
     """``moe_forward`` over a device mesh, with expert and tensor parallelism.
 
     Takes and returns global arrays, with the shapes of ``moe_forward``:
@@ -210,6 +215,11 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
     non-gated experts are not supported here yet: compute the shared expert
     outside and pass shared_expert_output.
 
+    Block-scaled fp8 experts as in moe_forward (w13 and w2 float8_e4m3fn,
+    w13_scale (E, 2I/128, ceil(H/128)), w2_scale (E, ceil(H/128), I/128)):
+    the scales are split with their weights, so I must be a multiple of 128
+    times the tp axis' size (each device's slice holds whole scale blocks).
+
     strategy: "allgather", "all_to_all" or "auto" ("allgather" for ep <= 8).
     Both are dropless. Jittable: topk and every keyword argument except
     shared_expert_output and e_score_correction_bias are static Python values.
@@ -220,7 +230,8 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
                    topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
                    routed_scaling_factor=routed_scaling_factor)
     plan = _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_axis,
-                      renormalize, activation, shared_expert_output, backend, strategy, routing)
+                      renormalize, activation, shared_expert_output, backend, strategy, routing,
+                      w13_scale, w2_scale)
     tok = P(plan.token_axes, None) if plan.tokens % mesh.size == 0 else P()
     w13_spec = P(plan.ep, None, plan.tp, None) if jnp.ndim(w13) == 4 else P(plan.ep, None, None)
     hidden_states, router_logits, w13, w2, shared_expert_output = (
@@ -228,7 +239,12 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
             (hidden_states, tok), (router_logits, tok), (w13, w13_spec),
             (w2, P(plan.ep, None, plan.tp)), (shared_expert_output, tok)))
     bias = _onto_mesh(e_score_correction_bias, mesh, P())
-    return _forward(hidden_states, router_logits, w13, w2, shared_expert_output, bias, plan=plan)
+    scales = None
+    if plan.fp8:
+        scales = (_onto_mesh(w13_scale, mesh, P(plan.ep, None, None)),
+                  _onto_mesh(w2_scale, mesh, P(plan.ep, None, plan.tp)))
+    return _forward(hidden_states, router_logits, w13, w2, shared_expert_output, bias, scales,
+                    plan=plan)
 
 
 def _onto_mesh(a, mesh: Mesh, spec):
@@ -270,7 +286,7 @@ def moe_shardings(mesh: Mesh, ep_axis: str | None = "ep", tp_axis: str | None = 
 # --------------------------------------------------------- the jitted body
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def _forward(hidden_states, router_logits, w13, w2, shared, bias, *, plan: _Plan):
+def _forward(hidden_states, router_logits, w13, w2, shared, bias, scales, *, plan: _Plan):
     mesh = plan.mesh
     n_dev = mesh.size
     tokens, hidden = hidden_states.shape
@@ -293,6 +309,11 @@ def _forward(hidden_states, router_logits, w13, w2, shared, bias, *, plan: _Plan
     tok_spec = P(plan.token_axes, None)
     in_specs = [tok_spec, tok_spec, P(plan.ep, None, plan.tp, None), P(plan.ep, None, plan.tp)]
     args = [hidden_states, router_logits, w13, w2]
+    if scales is not None:
+        # w13's scale blocks viewed as w13 is: (E, 2, I/128, H blocks), gate and up halves.
+        s13, s2 = scales
+        in_specs += [P(plan.ep, None, plan.tp, None), P(plan.ep, None, plan.tp)]
+        args += [s13.reshape(plan.experts, 2, -1, s13.shape[-1]), s2]
     if shared is not None:
         in_specs.append(tok_spec)
         args.append(shared)
@@ -307,11 +328,15 @@ def _forward(hidden_states, router_logits, w13, w2, shared, bias, *, plan: _Plan
 
 def _body(x, logits, w13, w2, *rest, plan: _Plan, has_shared: bool, has_bias: bool):
     """One device: x (T_loc, H), logits (T_loc, E), w13 (E_loc, 2, I_loc, H),
-    w2 (E_loc, H, I_loc) -> (T_loc, H)."""
+    w2 (E_loc, H, I_loc) -> (T_loc, H); with fp8 experts their scales follow
+    w2 in `rest`."""
     steps = backends.steps(plan.backend)
     t_loc, hidden = x.shape
     e_loc = plan.local_experts
     w13 = w13.reshape(e_loc, -1, hidden)  # (E_loc, 2*I_loc, H) = [gate_s; up_s]: a bitcast
+    if plan.fp8:  # the weights travel on as (codes, scales) pairs
+        s13, s2, *rest = rest
+        w13, w2 = (w13, s13.reshape(e_loc, -1, s13.shape[-1])), (w2, s2)
 
     shared = rest[0] if has_shared else None
     bias = rest[-1] if has_bias else None
@@ -358,6 +383,7 @@ def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: 
     """This device's experts (and I slice) for the tokens x (N, H), routed by
     local_ids (N, k) (entries outside [0, E_loc) are other ranks' and are not
     placed) -> (N, H): each token's weighted sum over its local experts.
+    w13, w2: the local weights, or with fp8 experts (codes, scales) pairs.
     steps: the backend's unchecked steps (backends.steps); the arguments were
     checked once, on the global shapes, by _make_plan."""
     e_loc = plan.local_experts
@@ -367,8 +393,12 @@ def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: 
     # local: at most N * min(k, E_loc) rows are placed, and dst_to_src is -1
     # past them. Shorter buffers for the GEMMs when E_loc < k.
     rows = x.shape[0] * min(k, e_loc)
-    y = steps.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
-                         plan.activation, True, (None, None))
+    if plan.fp8:  # steps 3-6 with both GEMMs on fp8 weights
+        h = steps.group_gemm_fp8(steps.expand(x, dst_to_src[:rows], k), *w13, sizes)
+        y = steps.group_gemm_fp8(steps.activation(h, plan.activation, True), *w2, sizes)
+    else:
+        y = steps.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
+                             plan.activation, True, (None, None))
     return steps.combine(y, weights, src_to_dst, dst_to_src[:rows])
 
 

@@ -131,15 +131,6 @@ def test_rejects_bad_fp8_arguments(rng, case, exc, match, backend):
         jax_moe.moe_forward(**_bad(rng, case), topk=2, backend=backend)
 
 
-def test_sharded_layer_rejects_fp8(rng):
-    from jax.sharding import Mesh
-    a = layer_inputs(rng, 8, 128, 128, 8, jnp.bfloat16)
-    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("ep",))
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-        jax_moe.moe_forward_sharded(a["hidden_states"], a["router_logits"], a["w13"], a["w2"],
-                                    2, mesh=mesh)
-
-
 def test_moe_layer_takes_fp8_scales(rng):
     a = layer_inputs(rng, 16, 128, 128, 4, jnp.bfloat16)
     cfg = jax_moe.MoEConfig(num_experts=4, topk=2, hidden_size=128, intermediate_size=128)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from common import ROOT, assert_close, rel_err
 import jax_moe
-from jax_moe import parallel
+from jax_moe import fp8, parallel
 from jax_moe.parallel import moe_forward_sharded, moe_shardings
 
 H, I, E, K = 32, 16, 8, 2  # small: 8 devices share 2 cores
@@ -422,3 +422,39 @@ def test_zero_tokens(ep, tp, strategy, jit, rng):
     fn = _sharded if jit else moe_forward_sharded
     out = fn(x, logits, w13, w2, K, mesh=make_mesh(ep, tp), strategy=strategy)
     assert out.shape == (0, H) and out.dtype == jnp.float32
+
+
+# ------------------------------------------------------------- fp8 experts
+
+def fp8_inputs(rng, tokens, dtype, inter=256, hidden=64):
+    """make_inputs with block-scaled fp8 experts: (x, logits, w13, w2, w13_scale,
+    w2_scale). I = 256: two 128-row scale blocks, one per device at tp = 2."""
+    x, logits, w13, w2 = make_inputs(rng, tokens, jnp.float32, inter=inter, hidden=hidden)
+    (w13, s13), (w2, s2) = fp8.quantize_blocks(w13), fp8.quantize_blocks(w2)
+    return x.astype(dtype), logits, w13, w2, s13, s2
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2), (1, 2), (1, 1)],
+                         ids=["ep8-tp1", "ep4-tp2", "ep1-tp2", "ep1-tp1"])
+def test_fp8_matches_single_device(ep, tp, strategy, rng):
+    """Each device's I slice holds whole scale blocks, so every row is
+    quantised as on one device; only the order of the w2 partial sums
+    differs."""
+    mesh = make_mesh(ep, tp)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        x, logits, w13, w2, s13, s2 = fp8_inputs(rng, 37, dtype)
+        want = _single(x, logits, w13, w2, topk=K, w13_scale=s13, w2_scale=s2)
+        got = _sharded(x, logits, w13, w2, K, mesh=mesh, strategy=strategy, w13_scale=s13,
+                       w2_scale=s2)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert rel_err(got, want) < tol, jnp.dtype(dtype).name
+
+
+def test_fp8_errors(rng):
+    x, logits, w13, w2, s13, s2 = fp8_inputs(rng, 16, jnp.float32, inter=128)
+    with pytest.raises(ValueError, match="multiple of 128 \\* tp"):
+        moe_forward_sharded(x, logits, w13, w2, K, mesh=make_mesh(2, 2), w13_scale=s13,
+                            w2_scale=s2)
+    with pytest.raises(ValueError, match="pass its block scales as w2_scale"):
+        moe_forward_sharded(x, logits, w13, w2, K, mesh=make_mesh(2, 1), w13_scale=s13)
