@@ -58,6 +58,8 @@ class MoE(nnx.Module):
         e_score_correction_bias  Buffer (E,) float32    if config.use_correction_bias (zeros)
         shared_w13, shared_w2    nnx.Param (2I_s, H), (H, I_s)  if config.shared_intermediate_size
         shared_gate              nnx.Param (H,)         if config.shared_expert_gate
+        w13_scale, w2_scale      Buffer (f32 block scales)  from_state_dict(keep_fp8=True):
+                                 w13, w2 are then float8_e4m3fn Buffers (not trained)
 
     Absent ones are None. Weights are drawn uniform with variance 1/fan_in
     (fan_in = the last axis), or by ``kernel_init(key, shape, param_dtype)``
