@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import reference
+from jax_moe import fp8, reference
 
 # The repository root (tests/ is one level below it).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,3 +241,20 @@ def value_and_grads(fn, lhs, rhs, sizes, ct):
     """fn(lhs, rhs, sizes) and its gradients in lhs and rhs for the cotangent ct."""
     out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
     return (out,) + vjp(ct)
+
+
+def fp8_checkpoint(rng, experts, hidden, inter):
+    """A DeepSeek-V3-layout FP8 MoE block as a state dict: the router (f32,
+    scaled by 1/4) and the correction bias, each routed expert's projections
+    quantised by jax_moe.fp8 (e4m3 ``weight`` beside its 128 x 128
+    ``weight_scale_inv``), drawn with variance 1/fan_in."""
+    sd = {"gate.weight": rng.standard_normal((experts, hidden)).astype(np.float32) / 4,
+          "gate.e_score_correction_bias": rng.uniform(0, 0.3, experts).astype(np.float32)}
+    for e in range(experts):
+        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                            ("down_proj", (hidden, inter))):
+            codes, scales = fp8.quantize_blocks(jnp.asarray(
+                rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32))
+            sd[f"experts.{e}.{proj}.weight"] = np.asarray(codes)
+            sd[f"experts.{e}.{proj}.weight_scale_inv"] = np.asarray(scales)
+    return sd

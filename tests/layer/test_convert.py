@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from common import assert_equal, rel_err
+from common import assert_equal, fp8_checkpoint, rel_err
 from jax_moe import MoEConfig, fp8, moe_forward
 from jax_moe.convert import LAYOUTS, config_from_hf, convert_moe_block, detect_layout
 
@@ -631,15 +631,8 @@ def test_fp8_checkpoint_kept_fp8(rng):
 def test_fp8_checkpoint_round_trip_runs_the_layer(rng):
     """A small random FP8 block converted with keep_fp8 runs moe_forward on
     both backends with the same result."""
-    e, h, i = 4, 256, 128
-    sd = {"gate.weight": rng.standard_normal((e, h)).astype(np.float32),
-          "gate.e_score_correction_bias": rng.uniform(0, 0.3, e).astype(np.float32)}
-    for x in range(e):
-        for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-            codes, scales = fp8.quantize_blocks(jnp.asarray(
-                rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32))
-            sd[f"experts.{x}.{p}.weight"] = np.asarray(codes)
-            sd[f"experts.{x}.{p}.weight_scale_inv"] = np.asarray(scales)
+    h = 256
+    sd = fp8_checkpoint(rng, 4, h, 128)
     out = convert_moe_block(sd, dtype=jnp.bfloat16, keep_fp8=True)
     x = jnp.asarray(rng.standard_normal((24, h)), jnp.bfloat16)
     logits = (x.astype(jnp.float32) @ out["router"].astype(jnp.float32).T)

@@ -9,7 +9,7 @@ optax = pytest.importorskip("optax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from common import assert_close, assert_equal  # noqa: E402
+from common import assert_close, assert_equal, fp8_checkpoint  # noqa: E402
 from jax_moe import MoEConfig, moe_forward  # noqa: E402
 from jax_moe.convert import convert_moe_block  # noqa: E402
 from jax_moe.nn import MoE, Buffer  # noqa: E402
@@ -245,19 +245,10 @@ def test_from_fp8_state_dict_kept_fp8(rng):
     """keep_fp8: the routed experts stay e4m3 with their block scales, held
     as Buffers (not Params: not trained), and the forward runs moe_forward's
     fp8 path with them."""
-    from jax_moe import fp8
-
     e, h, i = 4, 64, 128
     cfg = MoEConfig(num_experts=e, topk=2, hidden_size=h, intermediate_size=i,
                     scoring_func="sigmoid", use_correction_bias=True)
-    sd = {"gate.weight": rng.standard_normal((e, h)).astype(np.float32) / 4,
-          "gate.e_score_correction_bias": rng.uniform(0, 0.3, e).astype(np.float32)}
-    for x in range(e):
-        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-            codes, scales = fp8.quantize_blocks(jnp.asarray(
-                rng.standard_normal(shape) * shape[1] ** -0.5, jnp.float32))
-            sd[f"experts.{x}.{proj}.weight"] = np.asarray(codes)
-            sd[f"experts.{x}.{proj}.weight_scale_inv"] = np.asarray(scales)
+    sd = fp8_checkpoint(rng, e, h, i)
     model = MoE.from_state_dict(cfg, sd, layout="deepseek", param_dtype=jnp.bfloat16,
                                 dtype=jnp.bfloat16, keep_fp8=True)
     a = convert_moe_block(sd, layout="deepseek", dtype=jnp.bfloat16, keep_fp8=True)

@@ -8,46 +8,26 @@
 
 #include "kernels/common/numeric.h"
 #include "kernels/cpu/dot.h"
+#include "kernels/cpu/gemm_items.h"
 #include "kernels/cpu/parallel_for.h"
 
 namespace jax_moe {
-namespace {
-
-// Columns of one expert per work item: their weight rows (converted to f32
-// once per item, 32 x K floats) stay in cache while every row of the expert
-// is multiplied by them.
-constexpr int64_t kItemCols = 32;
-// Below this many multiply-adds the call runs on the calling thread alone.
-constexpr int64_t kParallelMacs = int64_t{1} << 22;
-
-}  // namespace
 
 template <DType DT>
 void GroupGemm(const TaskPool& pool, const void* x_raw, const void* w_raw, const int32_t* sizes,
                const GemmDims& d, const int32_t* rows, int64_t topk, void* out_raw) {
-  const int64_t m = d.m, groups = d.groups, n = d.n, k = d.k;
+  const int64_t m = d.m, n = d.n, k = d.k;
   using S = HostScalar<DT>;
   const auto* x = static_cast<const typename S::Storage*>(x_raw);
   const auto* w = static_cast<const typename S::Storage*>(w_raw);
   auto* out = static_cast<typename S::Storage*>(out_raw);
-  // Work items: (expert, first row, rows, first column).
-  struct Item {
-    int64_t expert, row0, count, col0;
-  };
-  std::vector<Item> items;
-  int64_t row = 0;
-  for (int64_t e = 0; e < groups && row < m; ++e) {
-    // Clamp: negative or oversized counts never index past the buffers.
-    const int64_t count = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - row);
-    if (count == 0) continue;
-    for (int64_t c0 = 0; c0 < n; c0 += kItemCols) items.push_back({e, row, count, c0});
-    row += count;
-  }
+  std::vector<GemmItem> items;
+  const int64_t row = GemmItems(sizes, d, &items);
   // Each output is one Dot over all of K, whichever thread computes it: the
   // same bits for any number of threads.
   auto run = [&](int64_t i) {
-    const Item& it = items[i];
-    const int64_t cols = std::min(kItemCols, n - it.col0);
+    const GemmItem& it = items[i];
+    const int64_t cols = std::min(kGemmItemCols, n - it.col0);
     thread_local std::vector<float> wf, xf;  // reused across items and calls
     wf.resize(cols * k);
     xf.resize(k);
@@ -60,12 +40,7 @@ void GroupGemm(const TaskPool& pool, const void* x_raw, const void* w_raw, const
         out[r * n + it.col0 + c] = S::Store(Dot(xf.data(), wf.data() + c * k, k));
     }
   };
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  if (row * n * k < kParallelMacs) {
-    for (int64_t i = 0; i < n_items; ++i) run(i);
-  } else {
-    ParallelFor(pool, n_items, run);
-  }
+  RunGemmItems(pool, items, row, d, run);
   std::fill(out + row * n, out + m * n, S::Store(0.f));
 }
 

@@ -8,12 +8,10 @@
 
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/cpu/dot.h"
+#include "kernels/cpu/gemm_items.h"
 
 namespace jax_moe {
 namespace {
-
-constexpr int64_t kItemCols = 32;  // columns of one expert per work item
-constexpr int64_t kParallelMacs = int64_t{1} << 22;
 
 // Row x (k values, already f32) -> its e4m3 values decoded to f32 (exact) and
 // one scale per 128-channel block.
@@ -38,25 +36,16 @@ void QuantizeRow(const float* x, int64_t k, float* values, float* scales) {
 template <DType DT>
 void GroupGemmFp8(const TaskPool& pool, const void* x_raw, const uint8_t* w, const float* w_scale,
                   const int32_t* sizes, const GemmDims& d, void* out_raw) {
-  const int64_t m = d.m, groups = d.groups, n = d.n, k = d.k;
+  const int64_t m = d.m, n = d.n, k = d.k;
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
   using S = HostScalar<DT>;
   const auto* x = static_cast<const typename S::Storage*>(x_raw);
   auto* out = static_cast<typename S::Storage*>(out_raw);
-  struct Item {
-    int64_t expert, row0, count, col0;
-  };
-  std::vector<Item> items;
-  int64_t row = 0;
-  for (int64_t e = 0; e < groups && row < m; ++e) {
-    const int64_t count = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - row);
-    if (count == 0) continue;
-    for (int64_t c0 = 0; c0 < n; c0 += kItemCols) items.push_back({e, row, count, c0});
-    row += count;
-  }
+  std::vector<GemmItem> items;
+  const int64_t row = GemmItems(sizes, d, &items);
   auto run = [&](int64_t i) {
-    const Item& it = items[i];
-    const int64_t cols = std::min(kItemCols, n - it.col0);
+    const GemmItem& it = items[i];
+    const int64_t cols = std::min(kGemmItemCols, n - it.col0);
     thread_local std::vector<float> wf, xf, xq, sx;
     wf.resize(cols * k);
     xf.resize(k);
@@ -80,12 +69,7 @@ void GroupGemmFp8(const TaskPool& pool, const void* x_raw, const uint8_t* w, con
       }
     }
   };
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  if (row * n * k < kParallelMacs) {
-    for (int64_t i = 0; i < n_items; ++i) run(i);
-  } else {
-    ParallelFor(pool, n_items, run);
-  }
+  RunGemmItems(pool, items, row, d, run);
   std::fill(out + row * n, out + m * n, S::Store(0.f));
 }
 
