@@ -94,7 +94,7 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 
                                    w2_scale=scales[1], **routing)
 
     @jax.jit
-    def run(x, logits, w13, w2, bias, scales):
+    def run(x, logits, w13, w2, bias, scales=(None, None)):  # scales: fp8 experts' (w13, w2)
         def body(i, h):
             lg = after(logits[i % logits.shape[0]], h)
             if chunks == 1:
