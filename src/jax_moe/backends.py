@@ -31,7 +31,7 @@ from jax_moe.ops.moe_layer import _moe_layer as _ffi_moe_layer
 from jax_moe.ops.route import _route as _ffi_route
 from jax_moe.ops.token_index import _token_index as _ffi_token_index
 
-__all__ = ["BACKENDS", "get", "Steps", "steps"]
+__all__ = ["BACKENDS", "get", "Steps", "steps", "fp8_expert_mlp"]
 
 BACKENDS: types.MappingProxyType = types.MappingProxyType({"ffi": ops, "reference": reference})
 
@@ -88,3 +88,13 @@ def steps(name: str) -> Steps:
     """The unchecked step implementations of backend `name` (ValueError as get)."""
     get(name)
     return _STEPS[name]
+
+
+def fp8_expert_mlp(steps: Steps, x, w13, w13_scale, w2, w2_scale, expert_sizes, dst_to_src,
+                   topk: int, activation: str, is_gated: bool):
+    """Steps 3-6 with block-scaled fp8 expert weights on one backend's steps:
+    the expansion and activation as for float weights, both GEMMs the fp8
+    grouped GEMM (each row of their input quantised per 128 channels)."""
+    h = steps.group_gemm_fp8(steps.expand(x, dst_to_src, topk), w13, w13_scale, expert_sizes)
+    return steps.group_gemm_fp8(steps.activation(h, activation, is_gated), w2, w2_scale,
+                                expert_sizes)

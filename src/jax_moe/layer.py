@@ -40,16 +40,14 @@ def _decode_applies(spec: _checks.Layer, a: dict) -> bool:
 
 
 def _fp8_routed(steps, spec: _checks.Layer, x, logits, w13, w2, bias, w13_scale, w2_scale):
-    """Steps 1-7 with block-scaled fp8 expert weights: the routing, index,
-    expansion, activation and combine steps as for bf16 weights, both GEMMs
-    the fp8 grouped GEMM (each row quantised per 128 channels)."""
+    """Steps 1-7 with block-scaled fp8 expert weights: routing, index and
+    combine as for float weights, steps 3-6 backends.fp8_expert_mlp."""
     r = spec.routing
     experts = w13.shape[0]
     weights, ids = steps.route(logits, bias, r)
     src_to_dst, dst_to_src, sizes = steps.token_index(ids, experts, 0, experts)
-    h = steps.group_gemm_fp8(steps.expand(x, dst_to_src, r.topk), w13, w13_scale, sizes)
-    y = steps.group_gemm_fp8(steps.activation(h, spec.activation, spec.is_gated), w2, w2_scale,
-                             sizes)
+    y = backends.fp8_expert_mlp(steps, x, w13, w13_scale, w2, w2_scale, sizes, dst_to_src,
+                                r.topk, spec.activation, spec.is_gated)
     return steps.combine(y, weights, src_to_dst, dst_to_src)
 
 

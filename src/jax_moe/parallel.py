@@ -394,8 +394,8 @@ def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: 
     # past them. Shorter buffers for the GEMMs when E_loc < k.
     rows = x.shape[0] * min(k, e_loc)
     if plan.fp8:  # steps 3-6 with both GEMMs on fp8 weights
-        h = steps.group_gemm_fp8(steps.expand(x, dst_to_src[:rows], k), *w13, sizes)
-        y = steps.group_gemm_fp8(steps.activation(h, plan.activation, True), *w2, sizes)
+        y = backends.fp8_expert_mlp(steps, x, *w13, *w2, sizes, dst_to_src[:rows], k,
+                                    plan.activation, True)
     else:
         y = steps.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
                              plan.activation, True, (None, None))
