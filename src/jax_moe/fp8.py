@@ -20,6 +20,7 @@ These are the building blocks of the fp8 reference twin
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -74,6 +75,14 @@ def _to_fp8(v):
     return jnp.clip(v, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
+def _exact_fp8(values):
+    """values, kept as e4m3 under jit. With its default excess precision
+    (xla_allow_excess_precision) XLA on GPUs folds a convert to a narrower
+    float and back into nothing, so quantize then dequantize inside one jitted
+    program would skip the rounding to e4m3; the barrier keeps it."""
+    return jax.lax.optimization_barrier(values)
+
+
 def quantize_blocks(w):
     """(..., N, K) float weights -> (values (..., N, K) float8_e4m3fn,
     scales (..., ceil(N/128), ceil(K/128)) f32), one scale per 128 x 128
@@ -95,7 +104,7 @@ def dequantize_blocks(values, scales, dtype=jnp.float32):
     check_block_scales(values, scales, "values", "scales")
     n, k = values.shape[-2:]
     full = jnp.repeat(jnp.repeat(scales, BLOCK, axis=-2), BLOCK, axis=-1)[..., :n, :k]
-    return (values.astype(jnp.float32) * full).astype(dtype)
+    return (_exact_fp8(values).astype(jnp.float32) * full).astype(dtype)
 
 
 def quantize_rows(x):
@@ -115,7 +124,7 @@ def dequantize_rows(values, scales, dtype=jnp.float32):
     """values x the scale of its (row, 128-channel block), in `dtype`."""
     k = values.shape[-1]
     full = jnp.repeat(scales, BLOCK, axis=-1)[..., :k]
-    return (values.astype(jnp.float32) * full).astype(dtype)
+    return (_exact_fp8(values).astype(jnp.float32) * full).astype(dtype)
 
 
 def check_block_scales(values, scales, name: str, scale_name: str) -> None:

@@ -273,10 +273,14 @@ def _group_gemm(x, w, expert_sizes):
 def _group_gemm_fp8(x, w, w_scale, expert_sizes):
     # The per-block sums sx * sw * sum(xq * wq) equal sum((xq sx) (wq sw)):
     # each product of two e4m3 values is exact in f32, so the twin runs the
-    # f32 grouped GEMM on both operands dequantised.
+    # f32 grouped GEMM on both operands dequantised. The barriers keep x and
+    # the output rounded to their dtype, as the kernels' are: under jit on
+    # GPUs XLA may fold a rounding to bf16 and back into nothing (its excess
+    # precision), and an unrounded input can flip an e4m3 rounding (2^-4).
+    x = jax.lax.optimization_barrier(x)
     xq = fp8.dequantize_rows(*fp8.quantize_rows(x))
     wq = fp8.dequantize_blocks(w, w_scale)
-    return _group_gemm(xq, wq, expert_sizes).astype(x.dtype)
+    return jax.lax.optimization_barrier(_group_gemm(xq, wq, expert_sizes).astype(x.dtype))
 
 
 def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,
