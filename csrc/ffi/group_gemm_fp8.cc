@@ -1,7 +1,9 @@
 // The group_gemm_fp8 handlers (ops.group_gemm_fp8): the grouped GEMM with
 // block-scaled e4m3 weights, x quantised per 128 channels inside the kernel.
-// CPU: csrc/kernels/cpu/group_gemm_fp8.cc; CUDA: the portable kernel
-// (kernels/cuda/group_gemm/fp8_simt.cuh).
+// CPU: csrc/kernels/cpu/group_gemm_fp8.cc; CUDA: CUTLASS's blockwise-scaled
+// fp8 grouped GEMM on Hopper for bf16 x (kernels/cuda/group_gemm/
+// fp8_sm90a.cu) where it applies, else the portable kernel (fp8_simt.cuh).
+// The scratch output is the Hopper path's, unused elsewhere.
 #include <cstdint>
 
 #include "ffi/ffi_common.h"
@@ -12,6 +14,9 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/group_gemm/launch.h"
+#endif
+#ifdef JAX_MOE_WITH_SM90
+#include "kernels/cuda/group_gemm/fp8_sm90a.h"
 #endif
 
 namespace jax_moe {
@@ -44,7 +49,8 @@ ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
 
 ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
-                           ffi::Result<ffi::AnyBuffer> out) {
+                           ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> /*scratch*/) {
   GemmDims d;
   if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
     return err;
@@ -58,12 +64,34 @@ ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 #ifdef JAX_MOE_WITH_CUDA
 ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
-                            ffi::Result<ffi::AnyBuffer> out) {
+                            ffi::Result<ffi::AnyBuffer> out,
+                            [[maybe_unused]] ffi::Result<ffi::AnyBuffer> scratch) {
   GemmDims d;
   if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
+#ifdef JAX_MOE_WITH_SM90
+    if constexpr (DT == DType::BF16) {
+      Sm90Fp8Call call{};
+      call.stream = stream;
+      call.x = x.untyped_data();
+      call.w = static_cast<const uint8_t*>(w.untyped_data());
+      call.w_scale = w_scale.typed_data();
+      call.sizes = expert_sizes.typed_data();
+      call.out = out->untyped_data();
+      call.m = d.m;
+      call.n = d.n;
+      call.k = d.k;
+      call.groups = d.groups;
+      call.scratch = scratch->untyped_data();
+      call.scratch_bytes = scratch->size_bytes();
+      bool ran = false;
+      const cudaError_t err = GroupGemmFp8Sm90(call, &ran);
+      if (err != cudaSuccess) return CudaError(err, "group_gemm_fp8 (sm90) launch failed");
+      if (ran) return ffi::Error::Success();
+    }
+#endif
     return CudaError(
         LaunchGroupGemmFp8For(stream, DT, x.untyped_data(),
                               static_cast<const uint8_t*>(w.untyped_data()), w_scale.typed_data(),

@@ -11,6 +11,7 @@
 #include "kernels/cuda/device_info.h"
 #endif
 #ifdef JAX_MOE_WITH_SM90
+#include "kernels/cuda/group_gemm/fp8_sm90a.h"
 #include "kernels/cuda/group_gemm/gemm_sm90a.h"
 #include "kernels/cuda/group_gemm/wgrad_sm90a.h"
 #endif
@@ -86,6 +87,18 @@ NB_MODULE(_jax_moe, m) {
         },
         nb::arg("m"), nb::arg("k"), nb::arg("groups"), nb::arg("gather"),
         "Bytes of group_gemm_wgrad's scratch output for the sm90 path (0 without it).");
+  // 0 where the build has no sm90 kernel: group_gemm_fp8's scratch is then empty.
+  m.def("group_gemm_fp8_sm90_scratch_bytes",
+        []([[maybe_unused]] int64_t m, [[maybe_unused]] int64_t n, [[maybe_unused]] int64_t k,
+           [[maybe_unused]] int64_t groups) -> int64_t {
+#ifdef JAX_MOE_WITH_SM90
+          return GroupGemmFp8Sm90ScratchBytes(m, n, k, groups);
+#else
+          return 0;
+#endif
+        },
+        nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("groups"),
+        "Bytes of group_gemm_fp8's scratch output for the sm90 path (0 without it).");
   m.attr("INDEX_CHUNK") = kIndexChunk;
   // moe_decode's limits, which both handlers enforce; Python checks against these.
   nb::dict decode;

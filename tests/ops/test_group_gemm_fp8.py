@@ -1,9 +1,10 @@
 """ops.group_gemm_fp8's kernels against the reference twin at the edges of the
 recipe: e4m3 rounding ties and subnormals, NaN and infinity in x, zero and
 huge block scales, all-zero rows, sizes that are not multiples of a tile
-(64 x 64) or of a scale block (128), and isolation: a bad row never changes
-another row's result. Runs on whatever device JAX has (CPU in CI, the GPU
-there)."""
+(64 x 64) or of a scale block (128), rows past the groups, and isolation: a
+bad row never changes another row's result. Runs on whatever device JAX has
+(CPU in CI, the GPU there: the "tma" shapes in bf16 take Hopper's CUTLASS
+paths, the others the portable kernel)."""
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,18 @@ def _weights(rng, experts, n, k):
     return fp8.quantize_blocks(normal(rng, (experts, n, k), jnp.float32, k**-0.5))
 
 
-def _case(rng, name, dtype):
+# (m, n, k, sizes): one row, column and channel past the portable kernel's
+# tiles; and sizes that Hopper's TMA path takes (bf16, n % 8 == 0, k % 16
+# == 0) with neither n nor k a multiple of 128 and rows past the groups, in
+# its 64-row tiles (fewer than 128 rows an expert on average) and its
+# 128-row tiles.
+SHAPES = {"offgrid": (65, 65, 129, (20, 0, 45)), "tma": (150, 200, 272, (20, 0, 110)),
+          "tma_wide": (400, 136, 272, (150, 0, 240))}
+
+
+def _case(rng, name, dtype, shape="offgrid"):
     """(x, w, w_scale, sizes) of one edge case."""
-    m, n, k, sizes = 65, 65, 129, (20, 0, 45)  # one row, column, channel past a tile
+    m, n, k, sizes = SHAPES[shape]
     x = np.array(normal(rng, (m, k), jnp.float32))
     w, ws = _weights(rng, len(sizes), n, k)
     if name == "ties":
@@ -42,7 +52,12 @@ def _case(rng, name, dtype):
     elif name == "zero_scale":
         ws = ws.at[0, :, 1].set(0.0)
     elif name == "huge_scale":
+        # Positive values in the block: its partial sums cannot cancel to about
+        # zero, where the summation order would pick the sign of an f16
+        # infinity (or none).
         ws = ws.at[2, 0, 0].set(1e30)
+        w = w.at[2, :128, :128].set(jnp.abs(w[2, :128, :128]))
+        x[:, :128] = np.abs(x[:, :128])
     elif name == "nonfinite_x":
         x[4, 128] = np.nan
         x[30, 2] = np.inf
@@ -50,20 +65,23 @@ def _case(rng, name, dtype):
         ws = ws.at[2, 0, 1].set(np.nan)
     elif name == "one_token":
         x, sizes = x[:1], (0, 1, 0)
+    elif name == "rows_past_groups":
+        sizes = (3, 0, 5)
     elif name == "one_expert":
         w, ws, sizes = w[:1], ws[:1], (m,)
     return jnp.asarray(x, dtype), w, ws, jnp.asarray(sizes, jnp.int32)
 
 
 CASES = ["random", "ties", "subnormal", "zero_rows", "big", "zero_scale", "huge_scale",
-         "nonfinite_x", "nan_scale", "one_token", "one_expert"]
+         "nonfinite_x", "nan_scale", "one_token", "one_expert", "rows_past_groups"]
 
 
 @pytest.mark.sanitize
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", CASES)
-def test_kernels_match_the_twin(rng, name, dtype):
-    x, w, ws, sizes = _case(rng, name, dtype)
+def test_kernels_match_the_twin(rng, name, dtype, shape):
+    x, w, ws, sizes = _case(rng, name, dtype, shape)
     got = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)
     want = np.asarray(reference.group_gemm_fp8(x, w, ws, sizes), np.float64)
     assert got.shape == want.shape == (x.shape[0], w.shape[1])
@@ -71,7 +89,8 @@ def test_kernels_match_the_twin(rng, name, dtype):
         # The twin's ragged_dot carries a NaN weight into other experts' rows
         # (0 x NaN); compare the NaN expert's rows (test below: the kernels
         # keep the others finite).
-        got, want = got[20:], want[20:]
+        first = int(np.sum(np.maximum(np.asarray(sizes)[:2], 0)))  # expert 2's first row
+        got, want = got[first:], want[first:]
     rerun = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)[-got.shape[0]:]
     # The same non-finite outputs (NaN where a NaN reaches, the same infinities).
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
@@ -85,10 +104,11 @@ def test_kernels_match_the_twin(rng, name, dtype):
 
 
 @pytest.mark.sanitize
-def test_nonfinite_values_stay_in_their_row(rng):
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_nonfinite_values_stay_in_their_row(rng, shape):
     """A NaN or an infinity in one row's input makes NaN of that row's outputs
     only; every other row keeps the bits it has without them."""
-    x, w, ws, sizes = _case(rng, "random", jnp.bfloat16)
+    x, w, ws, sizes = _case(rng, "random", jnp.bfloat16, shape)
     clean = np.asarray(ops.group_gemm_fp8(x, w, ws, sizes), np.float32)
     bad = x.at[4, 128].set(jnp.nan).at[30, 2].set(jnp.inf)
     got = np.asarray(ops.group_gemm_fp8(bad, w, ws, sizes), np.float32)
@@ -97,11 +117,12 @@ def test_nonfinite_values_stay_in_their_row(rng):
     np.testing.assert_array_equal(got[others], clean[others])
 
 
-def test_nan_block_scale_reaches_its_block_only(rng):
-    x = normal(rng, (40, 256), jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_nan_block_scale_reaches_its_block_only(rng, dtype):
+    x = normal(rng, (40, 256), dtype)
     w, ws = _weights(rng, 2, 200, 256)
     sizes = jnp.asarray([10, 30], jnp.int32)
-    got = np.asarray(ops.group_gemm_fp8(x, w, ws.at[1, 0, 1].set(jnp.nan), sizes))
+    got = np.asarray(ops.group_gemm_fp8(x, w, ws.at[1, 0, 1].set(jnp.nan), sizes), np.float32)
     assert np.all(np.isnan(got[10:, :128]))  # expert 1's rows, the block's 128 columns
     assert np.all(np.isfinite(got[:10])) and np.all(np.isfinite(got[10:, 128:]))
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from jax_moe import _checks
+from jax_moe import _checks, tuning
+from jax_moe._ffi import _ext
 from jax_moe._int32 import index_int32
 from jax_moe.ops._common import sds
 
@@ -21,14 +23,26 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes):
     past sum(expert_sizes) are zero. A block scale or input holding NaN or
     infinity makes NaN of the outputs it reaches, and no others.
 
-    Kernels: the CPU one, and on CUDA a portable SIMT kernel (no tensor-core
-    path yet). Not differentiable (fp8 weights are for inference)."""
+    Kernels: the CPU one; on CUDA, for bf16 x on Hopper (N a multiple of 8,
+    K of 16), CUTLASS's blockwise-scaled fp8 grouped GEMM (x quantised into
+    the scratch output first), else a portable SIMT kernel. Not
+    differentiable (fp8 weights are for inference)."""
     _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes)
     return _group_gemm_fp8(x, w, w_scale, expert_sizes)
 
 
 def _group_gemm_fp8(x, w, w_scale, expert_sizes):
     """group_gemm_fp8 on checked arguments."""
-    call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8", sds((x.shape[0], w.shape[1]), x.dtype),
+    m, k = x.shape
+    experts, n = w.shape[:2]
+    # The Hopper path's group arrays, workspace and quantised x live in a
+    # second output (a fixed address in a recorded CUDA graph, as
+    # group_gemm's); empty wherever that kernel will not run.
+    sm90 = (m > 0 and experts > 0 and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
+            and n % 8 == 0 and k % 16 == 0 and tuning.sm90_device())
+    scratch = _ext.group_gemm_fp8_sm90_scratch_bytes(m, n, k, experts) if sm90 else 0
+    call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8",
+                            (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
                             vmap_method="sequential")
-    return call(x, w, w_scale, index_int32(expert_sizes))
+    out, _ = call(x, w, w_scale, index_int32(expert_sizes))
+    return out

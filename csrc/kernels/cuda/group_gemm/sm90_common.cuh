@@ -1,7 +1,8 @@
 // Host helpers shared by the CUTLASS sm90 grouped GEMMs (gemm_sm90a.cu,
-// wgrad_sm90a.cu): the device check, the scratch alignment, the CUTLASS
-// workspace size and the grouped GEMM's set-up. Host code only; each including translation unit gets its
-// own copy (anonymous namespace), so each probes its own kernels.
+// wgrad_sm90a.cu, fp8_sm90a.cuh): the device check, the scratch alignment,
+// the CUTLASS workspace size and the grouped GEMM's set-up. Host code only;
+// each including translation unit gets its own copy (anonymous namespace),
+// so each probes its own kernels.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,0 +1,23 @@
+// The Hopper fp8 grouped GEMMs the library runs (fp8_sm90a.cuh): 128 x 128 x
+// 128 cooperative tiles, or 64 x 128 x 128 ping-pong tiles where the experts
+// average fewer than 128 rows (less of each expert's last tile wasted, two
+// tiles an SM in flight); one CTA a cluster.
+#include "kernels/cuda/group_gemm/fp8_sm90a.cuh"
+
+namespace jax_moe {
+
+using Fp8Wide = Fp8Gemm<128, 1, false>;
+using Fp8Narrow = Fp8Gemm<64, 1, true>;
+
+cudaError_t GroupGemmFp8Sm90(const Sm90Fp8Call& c, bool* ran) {
+  if (c.m < 128 * c.groups) return RunFp8<Fp8Narrow>(c, ran);
+  return RunFp8<Fp8Wide>(c, ran);
+}
+
+int64_t GroupGemmFp8Sm90ScratchBytes(int64_t m, int64_t n, int64_t k, int64_t groups) {
+  if (m < 0 || n < 0 || k < 0 || groups < 1) return 0;
+  const size_t wide = WorkspaceBytes<Fp8Wide>(groups), narrow = WorkspaceBytes<Fp8Narrow>(groups);
+  return static_cast<int64_t>(MakeLayout(m, n, k, groups, wide > narrow ? wide : narrow).bytes);
+}
+
+}  // namespace jax_moe

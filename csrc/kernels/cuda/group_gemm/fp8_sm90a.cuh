@@ -1,0 +1,362 @@
+// The Hopper fp8 grouped GEMM's implementation, a template over the CUTLASS
+// configuration (M tile, cluster, schedule); fp8_sm90a.cu instantiates the
+// one the library runs. A call is three launches, no host sync:
+//  1. a one-block set-up kernel writes each expert's problem (rows, n, k),
+//     pointers, strides and scale layouts (the shapes depend on expert_sizes,
+//     which live on the device);
+//  2. a prep kernel quantises x per row and 128 channels into the scratch
+//     (kernels/common/fp8_e4m3.h's rule: the same codes as the CPU kernel and
+//     the twin), each expert's scales M-major and packed ([block][row of the
+//     expert], from the expert's first row times the blocks on: CUTLASS
+//     derives every scale layout from the expert's shape), transposes
+//     w_scale to [expert][k block][n block] (CUTLASS's sm90 kernel takes
+//     MN-major scales only) and zeroes the rows past the groups;
+//  3. CUTLASS's ptr-array blockwise-scaled fp8 kernel (TMA + wgmma, e4m3 x
+//     e4m3, f32 accumulation promoted per 128-channel block with both
+//     operands' scales).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cub/block/block_scan.cuh>
+#include <cuda_fp8.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "kernels/common/fp8_e4m3.h"
+#include "kernels/cuda/group_gemm/fp8_sm90a.h"
+#include "kernels/cuda/group_gemm/sm90_common.cuh"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
+#endif
+
+namespace jax_moe {
+namespace {
+
+using namespace cute;
+
+constexpr int kSetupThreads = 1024;
+constexpr int kPrepThreads = 256;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using ShapeMNK = ProblemShape::UnderlyingProblemShape;
+using Element = cutlass::float_e4m3_t;
+using ElementD = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;     // x quantised (M, K)
+using LayoutB = cutlass::layout::ColumnMajor;  // w[e] (N, K) row-major: both K-major
+using LayoutD = cutlass::layout::RowMajor;     // out (M, N)
+using StrideA = cutlass::detail::TagToStrideA_t<LayoutA*>;
+using StrideB = cutlass::detail::TagToStrideB_t<LayoutB*>;
+using StrideD = cutlass::detail::TagToStrideC_t<LayoutD*>;
+using InternalStrideA = cute::remove_pointer_t<StrideA>;
+using InternalStrideB = cute::remove_pointer_t<StrideB>;
+using InternalStrideD = cute::remove_pointer_t<StrideD>;
+
+// x's scales per row and 128 channels, w's per 128 x 128 block; both
+// MN-major (CUTLASS's sm90 kernel takes no other).
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kFp8Block, kFp8Block>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+// N and K tiles 128: one weight scale a tile, one scale block a k tile.
+template <int kTileM, int kClusterM, bool kPingpong>
+struct Fp8Gemm {
+  using TileShape = Shape<Int<kTileM>, _128, _128>;
+  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+  using EpilogueSchedule =
+      cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using KernelSchedule = cute::conditional_t<
+      kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, 8,  // no C: D = alpha * acc
+      ElementD, LayoutD*, 8, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element,
+      cute::tuple<LayoutA*, LayoutSFA*>, 16, Element, cute::tuple<LayoutB*, LayoutSFB*>, 16,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(std::is_same_v<typename Kernel::InternalStrideA, InternalStrideA> &&
+                std::is_same_v<typename Kernel::InternalStrideB, InternalStrideB> &&
+                std::is_same_v<typename Kernel::InternalStrideD, InternalStrideD>);
+};
+
+// Where each part of the call's scratch lives (byte offsets from the
+// 256-byte aligned base); `bytes` includes the slack for aligning the base.
+struct ScratchLayout {
+  size_t row0, shapes, ptr_a, ptr_b, ptr_sfa, ptr_sfb, ptr_d, stride_a, stride_b, stride_d,
+      layout_sfa, layout_sfb, workspace, xq, sxa, swt;
+  size_t bytes;
+};
+
+// `workspace_bytes`: the CUTLASS workspace of the configuration run.
+ScratchLayout MakeLayout(int64_t m, int64_t n, int64_t k, int64_t groups,
+                         size_t workspace_bytes) {
+  const size_t g = static_cast<size_t>(groups);
+  const size_t kb = static_cast<size_t>((k + kFp8Block - 1) / kFp8Block);
+  const size_t nb = static_cast<size_t>((n + kFp8Block - 1) / kFp8Block);
+  ScratchLayout l{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off = RoundUp(off + bytes, kScratchAlign);
+    return at;
+  };
+  l.row0 = take((g + 1) * sizeof(int64_t));
+  l.shapes = take(g * sizeof(ShapeMNK));
+  l.ptr_a = take(g * sizeof(void*));
+  l.ptr_b = take(g * sizeof(void*));
+  l.ptr_sfa = take(g * sizeof(void*));
+  l.ptr_sfb = take(g * sizeof(void*));
+  l.ptr_d = take(g * sizeof(void*));
+  l.stride_a = take(g * sizeof(InternalStrideA));
+  l.stride_b = take(g * sizeof(InternalStrideB));
+  l.stride_d = take(g * sizeof(InternalStrideD));
+  l.layout_sfa = take(g * sizeof(LayoutSFA));
+  l.layout_sfb = take(g * sizeof(LayoutSFB));
+  l.workspace = take(workspace_bytes);
+  l.xq = take(static_cast<size_t>(m) * static_cast<size_t>(k));
+  l.sxa = take(static_cast<size_t>(m) * kb * sizeof(float));
+  l.swt = take(g * nb * kb * sizeof(float));
+  l.bytes = off + kScratchAlign;
+  return l;
+}
+
+// One block: expert e gets rows [min(P_e, M), min(P_{e+1}, M)) (P: the prefix
+// sum of max(size, 0)), as every grouped GEMM here; row0[e] is its first row,
+// row0[groups] = min(P_E, M) the first row past the groups. Its x scales are
+// the (k blocks, rows) M-major block at sxa + row0[e] * k blocks.
+__global__ void __launch_bounds__(kSetupThreads)
+    Fp8SetupKernel(const int32_t* __restrict__ sizes, int64_t groups, int64_t m, int n, int k,
+                   const Element* xq, const float* sxa, const Element* w, const float* swt,
+                   ElementD* d, ShapeMNK* shapes, const Element** ptr_a, const Element** ptr_b,
+                   const float** ptr_sfa, const float** ptr_sfb, ElementD** ptr_d,
+                   InternalStrideA* stride_a, InternalStrideB* stride_b,
+                   InternalStrideD* stride_d, LayoutSFA* layout_sfa, LayoutSFB* layout_sfb,
+                   int64_t* row0) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
+  int64_t carry = 0;
+  for (int64_t base = 0; base < groups; base += kSetupThreads) {
+    const int64_t e = base + threadIdx.x;
+    const int32_t s = e < groups ? sizes[e] : 0;
+    const int64_t count = s > 0 ? s : 0;
+    int64_t incl, pass_total;
+    Scan(scan).InclusiveSum(count, incl, pass_total);
+    if (e < groups) {
+      const int64_t hi = carry + incl;
+      const int64_t start = hi - count < m ? hi - count : m;
+      const int64_t end = hi < m ? hi : m;
+      const int rows = static_cast<int>(end - start);
+      shapes[e] = ShapeMNK(rows, n, k);
+      ptr_a[e] = xq + start * k;
+      ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
+      ptr_sfa[e] = sxa + start * kb;
+      ptr_sfb[e] = swt + e * static_cast<int64_t>(nb) * kb;
+      ptr_d[e] = d + start * n;
+      stride_a[e] = cutlass::make_cute_packed_stride(InternalStrideA{}, {rows, k, 1});
+      stride_b[e] = cutlass::make_cute_packed_stride(InternalStrideB{}, {n, k, 1});
+      stride_d[e] = cutlass::make_cute_packed_stride(InternalStrideD{}, {rows, n, 1});
+      row0[e] = start;
+      layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, 1));
+      layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
+    }
+    carry = carry + pass_total < m ? carry + pass_total : m;
+    __syncthreads();  // `scan` is reused by the next pass
+  }
+  if (threadIdx.x == 0) row0[groups] = carry;
+}
+
+// e4m3 codes of (a, b) in the low and high byte: the hardware conversion
+// (round to nearest even, past +-448 to +-448, NaN to NaN) gives the codes of
+// Fp8Quantize, which clips first, for every input.
+__device__ __forceinline__ uint32_t Fp8Pair(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// One warp a row (grid-stride over the rows in the groups): lane l takes 8
+// channels (one 16-byte load; k % 16 == 0 and x 16-byte aligned: all 8 in
+// k or all past it) of each 256-channel pass, 16 lanes a 128-channel block.
+// The row's expert is looked up once. A block's scale from its half-warp's
+// amax, its codes in one 8-byte store, the scale at its place in its
+// expert's packed block. Then w_scale transposed and the rows
+// [row0[groups], m) of out zeroed (16-byte stores, n % 8 == 0).
+__global__ void __launch_bounds__(kPrepThreads)
+    Fp8PrepKernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ xq,
+                  float* __restrict__ sxa, const float* __restrict__ w_scale,
+                  float* __restrict__ swt, uint4* __restrict__ out,
+                  const int64_t* __restrict__ row0, int64_t m, int64_t n, int64_t k,
+                  int64_t groups) {
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
+  const int64_t rows_total = row0[groups];
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPrepThreads / 32);
+  const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * (kPrepThreads / 32) + (threadIdx.x >> 5);
+  for (int64_t r = warp0; r < rows_total; r += warps) {
+    // The row's expert: the last e with row0[e] <= r (an empty expert shares
+    // its start with the next one, so the last such e owns r).
+    int64_t lo = 0, hi = groups - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (row0[mid] <= r) lo = mid;
+      else hi = mid - 1;
+    }
+    const int64_t start = row0[lo], rows = row0[lo + 1] - start;
+    const uint16_t* xr = x + r * k;
+    uint8_t* qr = xq + r * k;
+    float* sr = sxa + start * kb + (r - start);  // + block * rows
+    for (int64_t pass = 0; pass < kb; pass += 2) {  // uniform across the warp: shuffles below
+      const int64_t c0 = pass * kFp8Block + lane * 8;
+      const bool in_k = c0 < k;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (in_k) raw = *reinterpret_cast<const uint4*>(xr + c0);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] = __uint_as_float(words[j] << 16);
+        v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+      }
+      float amax = 0.f;
+      bool bad = false;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (!Fp8Finite(v[j])) bad = true;
+        else amax = fmaxf(amax, fabsf(v[j]));
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) {  // within the half-warp: one block
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        bad = __shfl_xor_sync(0xffffffffu, static_cast<int>(bad), off) != 0 || bad;
+      }
+      if (!in_k) continue;
+      const float scale = Fp8BlockScale(amax, bad);
+      const float inv = 1.0f / scale;
+      uint2 codes;
+      codes.x = Fp8Pair(v[0] * inv, v[1] * inv) | (Fp8Pair(v[2] * inv, v[3] * inv) << 16);
+      codes.y = Fp8Pair(v[4] * inv, v[5] * inv) | (Fp8Pair(v[6] * inv, v[7] * inv) << 16);
+      *reinterpret_cast<uint2*>(qr + c0) = codes;
+      if ((lane & 15) == 0) sr[(c0 / kFp8Block) * rows] = scale;
+    }
+  }
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * kPrepThreads;
+  for (int64_t i = tid; i < groups * nb * kb; i += threads) {  // i: [e][kb][nb] of swt
+    const int64_t e = i / (nb * kb), rest = i % (nb * kb), bk = rest / nb, bn = rest % nb;
+    swt[i] = w_scale[(e * nb + bn) * kb + bk];
+  }
+  const int64_t nv = n / 8;
+  for (int64_t i = tid; i < (m - rows_total) * nv; i += threads)
+    out[rows_total * nv + i] = make_uint4(0, 0, 0, 0);
+}
+
+// GroupGemmFp8Sm90 (fp8_sm90a.h) on configuration G.
+template <typename G>
+cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
+  *ran = false;
+  constexpr int64_t kInt32Max = 2147483647;
+  if (c.m <= 0 || c.m > kInt32Max || c.n <= 0 || c.n > kInt32Max || c.k <= 0 ||
+      c.k > kInt32Max || c.groups <= 0 || c.groups > kInt32Max || c.n % 8 != 0 ||
+      c.k % 16 != 0 || c.m * ((c.k + kFp8Block - 1) / kFp8Block) > kInt32Max ||
+      !Aligned16(c.x) || !Aligned16(c.w) || !Aligned16(c.out))
+    return cudaSuccess;
+  int dev = 0, sms = 0;
+  if (!UsableDevice(reinterpret_cast<const void*>(Fp8PrepKernel), &dev, &sms))
+    return cudaSuccess;
+  const ScratchLayout l = MakeLayout(c.m, c.n, c.k, c.groups, WorkspaceBytes<G>(c.groups));
+  char* base = reinterpret_cast<char*>(
+      RoundUp(reinterpret_cast<uintptr_t>(c.scratch), kScratchAlign));
+  if (c.scratch == nullptr || base + (l.bytes - kScratchAlign) >
+                                  static_cast<char*>(c.scratch) + c.scratch_bytes)
+    return cudaSuccess;  // Python sized it for another configuration: fall back
+  auto* shapes = reinterpret_cast<ShapeMNK*>(base + l.shapes);
+  auto* ptr_a = reinterpret_cast<const Element**>(base + l.ptr_a);
+  auto* ptr_b = reinterpret_cast<const Element**>(base + l.ptr_b);
+  auto* ptr_sfa = reinterpret_cast<const float**>(base + l.ptr_sfa);
+  auto* ptr_sfb = reinterpret_cast<const float**>(base + l.ptr_sfb);
+  auto* ptr_d = reinterpret_cast<ElementD**>(base + l.ptr_d);
+  auto* stride_a = reinterpret_cast<InternalStrideA*>(base + l.stride_a);
+  auto* stride_b = reinterpret_cast<InternalStrideB*>(base + l.stride_b);
+  auto* stride_d = reinterpret_cast<InternalStrideD*>(base + l.stride_d);
+  auto* layout_sfa = reinterpret_cast<LayoutSFA*>(base + l.layout_sfa);
+  auto* layout_sfb = reinterpret_cast<LayoutSFB*>(base + l.layout_sfb);
+  auto* row0 = reinterpret_cast<int64_t*>(base + l.row0);
+  auto* xq = reinterpret_cast<uint8_t*>(base + l.xq);
+  auto* sxa = reinterpret_cast<float*>(base + l.sxa);
+  auto* swt = reinterpret_cast<float*>(base + l.swt);
+
+  typename G::Gemm gemm;
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(c.groups), shapes, nullptr};
+  args.mainloop.ptr_A = ptr_a;
+  args.mainloop.dA = stride_a;
+  args.mainloop.ptr_B = ptr_b;
+  args.mainloop.dB = stride_b;
+  args.mainloop.ptr_SFA = ptr_sfa;
+  args.mainloop.layout_SFA = layout_sfa;
+  args.mainloop.ptr_SFB = ptr_sfb;
+  args.mainloop.layout_SFB = layout_sfb;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = ptr_d;
+  args.epilogue.dD = stride_d;
+  args.hw_info.device_id = dev;
+  args.hw_info.sm_count = sms;
+  if (G::Gemm::get_workspace_size(args) > l.xq - l.workspace ||
+      gemm.can_implement(args) != cutlass::Status::kSuccess ||
+      gemm.initialize(args, base + l.workspace, c.stream) != cutlass::Status::kSuccess) {
+    cudaGetLastError();
+    return cudaSuccess;
+  }
+
+  const int n = static_cast<int>(c.n), k = static_cast<int>(c.k);
+  Fp8SetupKernel<<<1, kSetupThreads, 0, c.stream>>>(
+      c.sizes, c.groups, c.m, n, k, reinterpret_cast<const Element*>(xq), sxa,
+      reinterpret_cast<const Element*>(c.w), swt, static_cast<ElementD*>(c.out), shapes, ptr_a,
+      ptr_b, ptr_sfa, ptr_sfb, ptr_d, stride_a, stride_b, stride_d, layout_sfa, layout_sfb,
+      row0);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  *ran = true;  // from here on, the call is ours (errors are reported, not retried)
+  // A warp a row, up to 8 blocks (64 warps) an SM.
+  const int64_t want = (c.m + kPrepThreads / 32 - 1) / (kPrepThreads / 32);
+  const int64_t cap = static_cast<int64_t>(sms) * 8;
+  const unsigned prep_blocks = static_cast<unsigned>(want < sms ? sms : (want < cap ? want : cap));
+  Fp8PrepKernel<<<prep_blocks, kPrepThreads, 0, c.stream>>>(
+      static_cast<const uint16_t*>(c.x), xq, sxa, c.w_scale, swt, static_cast<uint4*>(c.out),
+      row0, c.m, c.n, c.k, c.groups);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const cutlass::Status st = gemm.run(c.stream);
+  err = cudaGetLastError();
+  if (err == cudaSuccess && st != cutlass::Status::kSuccess) err = cudaErrorLaunchFailure;
+  return err;
+}
+
+}  // namespace
+}  // namespace jax_moe

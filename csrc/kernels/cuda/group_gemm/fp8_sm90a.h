@@ -1,0 +1,40 @@
+// The Hopper fp8 grouped GEMM (fp8_sm90a.cu), which the group_gemm_fp8 CUDA
+// handler (csrc/ffi/group_gemm_fp8.cc) runs where it applies. Defined only
+// when the build has it (JAX_MOE_WITH_SM90). Plain C++: no XLA include.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_moe {
+
+// One group_gemm_fp8 call: out (m, n) bf16 = rows of x (m, k) bf16, quantised
+// per 128 channels, grouped by expert times the block-scaled e4m3 w[e]^T.
+struct Sm90Fp8Call {
+  cudaStream_t stream;
+  const void* x;          // (m, k) bf16
+  const uint8_t* w;       // (groups, n, k) e4m3 codes
+  const float* w_scale;   // (groups, ceil(n/128), ceil(k/128))
+  const int32_t* sizes;   // (groups,) rows per expert (device)
+  void* out;              // (m, n) bf16
+  int64_t m, n, k, groups;
+  void* scratch;          // the call's scratch output (device)
+  size_t scratch_bytes;
+};
+
+// Runs `c` on CUTLASS's sm90 blockwise-scaled fp8 grouped GEMM when it
+// applies (a compute capability 9.0 device whose kernels load, 16-byte
+// aligned operands, n % 8 == 0, k % 16 == 0, sizes below 2^31, scratch large
+// enough) and sets *ran; otherwise it launches nothing and leaves *ran false.
+// Launches only on c.stream: no sync, no allocation, no host copy.
+cudaError_t GroupGemmFp8Sm90(const Sm90Fp8Call& c, bool* ran);
+
+// Bytes of group_gemm_fp8's scratch output for that path: the group arrays,
+// the CUTLASS workspace for up to 144 SMs, x quantised (m x k codes, m x
+// ceil(k/128) scales) and w_scale transposed. A pure function of its
+// arguments: no device query.
+int64_t GroupGemmFp8Sm90ScratchBytes(int64_t m, int64_t n, int64_t k, int64_t groups);
+
+}  // namespace jax_moe
