@@ -297,6 +297,7 @@ cudaError_t DispatchSm90(const Sm90GemmCall& c, bool* ran) {
   int dev = 0, sms = 0;
   if (!UsableDevice(reinterpret_cast<const void*>(Sm90PrepKernel), &dev, &sms))
     return cudaSuccess;
+  if (c.max_ctas > 0 && c.max_ctas < sms) sms = c.max_ctas;
   const bool skinny = c.m < kSkinnyRows * c.groups;
   const bool wide = !skinny && c.n >= 256;
   if (c.bf16) {

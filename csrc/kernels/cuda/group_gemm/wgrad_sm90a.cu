@@ -362,6 +362,7 @@ cudaError_t GroupGemmWgradSm90(const Sm90WgradCall& c, bool* ran) {
   int dev = 0, sms = 0;
   if (!UsableDevice(reinterpret_cast<const void*>(WgradPrepKernel), &dev, &sms))
     return cudaSuccess;
+  if (c.max_ctas > 0 && c.max_ctas < sms) sms = c.max_ctas;
   return c.bf16 ? RunWgrad<WgradGemm<cutlass::bfloat16_t>>(c, dev, sms, ran)
                 : RunWgrad<WgradGemm<cutlass::half_t>>(c, dev, sms, ran);
 }

@@ -27,6 +27,7 @@ struct Sm90WgradCall {
   int64_t m, n, k, groups, x_rows;
   void* scratch;          // the call's scratch output (device)
   size_t scratch_bytes;
+  int max_ctas = 0;       // at most this many CTAs in the persistent grid (0: one an SM)
 };
 
 // Runs `c` on the CUTLASS sm90 path when it applies (a compute capability 9.0
