@@ -1,8 +1,10 @@
 // The group_gemm_fp8 handlers (ops.group_gemm_fp8): the grouped GEMM with
 // block-scaled e4m3 weights, x quantised per 128 channels inside the kernel.
-// CPU: csrc/kernels/cpu/group_gemm_fp8.cc; CUDA: CUTLASS's blockwise-scaled
-// fp8 grouped GEMM on Hopper for bf16 x (kernels/cuda/group_gemm/
-// fp8_sm90a.cu) where it applies, else the portable kernel (fp8_simt.cuh).
+// CPU: csrc/kernels/cpu/group_gemm_fp8.cc; CUDA: at most 2 rows an expert
+// on average, the decode form (fp8_skinny.cuh); else CUTLASS's
+// blockwise-scaled fp8 grouped GEMM on Hopper for bf16 x (kernels/cuda/
+// group_gemm/fp8_sm90a.cu) where it applies, else the portable kernel
+// (fp8_simt.cuh).
 // The scratch output is the Hopper path's, unused elsewhere.
 #include <cstdint>
 
@@ -71,6 +73,13 @@ ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
+    // A few rows an expert: the decode form streams the weights once.
+    bool ran_skinny = false;
+    const cudaError_t skinny_err = LaunchGroupGemmFp8Skinny(
+        stream, DT, x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
+        w_scale.typed_data(), expert_sizes.typed_data(), out->untyped_data(), d, &ran_skinny);
+    if (skinny_err != cudaSuccess) return CudaError(skinny_err, "group_gemm_fp8 launch failed");
+    if (ran_skinny) return ffi::Error::Success();
 #ifdef JAX_MOE_WITH_SM90
     if constexpr (DT == DType::BF16) {
       Sm90Fp8Call call{};

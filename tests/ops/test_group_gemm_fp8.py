@@ -25,9 +25,18 @@ def _weights(rng, experts, n, k):
 # tiles; and sizes that Hopper's TMA path takes (bf16, n % 8 == 0, k % 16
 # == 0) with neither n nor k a multiple of 128 and rows past the groups, in
 # its 64-row tiles (fewer than 128 rows an expert on average) and its
-# 128-row tiles.
+# 128-row tiles; and on CUDA the decode form's (at most 2 rows an expert on
+# average, k % 16 == 0, any dtype): an empty expert and rows past the groups,
+# and one expert of twelve with all the rows (passes of 8, 8 and 4 rows).
 SHAPES = {"offgrid": (65, 65, 129, (20, 0, 45)), "tma": (150, 200, 272, (20, 0, 110)),
-          "tma_wide": (400, 136, 272, (150, 0, 240))}
+          "tma_wide": (400, 136, 272, (150, 0, 240)), "skinny": (6, 200, 272, (3, 0, 2)),
+          "skinny_one": (20, 136, 400, (0, 20) + (0,) * 10)}
+
+
+def _bad_rows(m, sizes):
+    """Two rows of the groups of an m-row case, for a NaN and an infinity."""
+    owned = min(sum(max(int(s), 0) for s in sizes), m)
+    return (4, 30) if owned > 30 else (1, owned - 1)
 
 
 def _case(rng, name, dtype, shape="offgrid"):
@@ -59,14 +68,15 @@ def _case(rng, name, dtype, shape="offgrid"):
         w = w.at[2, :128, :128].set(jnp.abs(w[2, :128, :128]))
         x[:, :128] = np.abs(x[:, :128])
     elif name == "nonfinite_x":
-        x[4, 128] = np.nan
-        x[30, 2] = np.inf
+        nan_row, inf_row = _bad_rows(m, sizes)
+        x[nan_row, 128] = np.nan
+        x[inf_row, 2] = np.inf
     elif name == "nan_scale":
         ws = ws.at[2, 0, 1].set(np.nan)
     elif name == "one_token":
-        x, sizes = x[:1], (0, 1, 0)
+        x, sizes = x[:1], (0, 1) + (0,) * (len(sizes) - 2)
     elif name == "rows_past_groups":
-        sizes = (3, 0, 5)
+        sizes = (3, 0, 5) + (0,) * (len(sizes) - 3)
     elif name == "one_expert":
         w, ws, sizes = w[:1], ws[:1], (m,)
     return jnp.asarray(x, dtype), w, ws, jnp.asarray(sizes, jnp.int32)
@@ -91,7 +101,8 @@ def test_kernels_match_the_twin(rng, name, dtype, shape):
         # keep the others finite).
         first = int(np.sum(np.maximum(np.asarray(sizes)[:2], 0)))  # expert 2's first row
         got, want = got[first:], want[first:]
-    rerun = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)[-got.shape[0]:]
+    rerun = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)
+    rerun = rerun[x.shape[0] - got.shape[0]:]  # the rows compared above
     # The same non-finite outputs (NaN where a NaN reaches, the same infinities).
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.where(np.isinf(got), got, 0), np.where(np.isinf(want), want, 0))
@@ -109,22 +120,25 @@ def test_nonfinite_values_stay_in_their_row(rng, shape):
     """A NaN or an infinity in one row's input makes NaN of that row's outputs
     only; every other row keeps the bits it has without them."""
     x, w, ws, sizes = _case(rng, "random", jnp.bfloat16, shape)
+    rows = list(_bad_rows(x.shape[0], np.asarray(sizes)))
     clean = np.asarray(ops.group_gemm_fp8(x, w, ws, sizes), np.float32)
-    bad = x.at[4, 128].set(jnp.nan).at[30, 2].set(jnp.inf)
+    bad = x.at[rows[0], 128].set(jnp.nan).at[rows[1], 2].set(jnp.inf)
     got = np.asarray(ops.group_gemm_fp8(bad, w, ws, sizes), np.float32)
-    assert np.all(np.isnan(got[[4, 30]]))
-    others = np.setdiff1d(np.arange(x.shape[0]), [4, 30])
+    assert np.all(np.isnan(got[rows]))
+    others = np.setdiff1d(np.arange(x.shape[0]), rows)
     np.testing.assert_array_equal(got[others], clean[others])
 
 
+@pytest.mark.parametrize("sizes", [(10, 30), (1, 3)], ids=["tiles", "decode"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_nan_block_scale_reaches_its_block_only(rng, dtype):
-    x = normal(rng, (40, 256), dtype)
+def test_nan_block_scale_reaches_its_block_only(rng, dtype, sizes):
+    first = sizes[0]  # expert 1's first row
+    x = normal(rng, (sum(sizes), 256), dtype)
     w, ws = _weights(rng, 2, 200, 256)
-    sizes = jnp.asarray([10, 30], jnp.int32)
+    sizes = jnp.asarray(sizes, jnp.int32)
     got = np.asarray(ops.group_gemm_fp8(x, w, ws.at[1, 0, 1].set(jnp.nan), sizes), np.float32)
-    assert np.all(np.isnan(got[10:, :128]))  # expert 1's rows, the block's 128 columns
-    assert np.all(np.isfinite(got[:10])) and np.all(np.isfinite(got[10:, 128:]))
+    assert np.all(np.isnan(got[first:, :128]))  # expert 1's rows, the block's 128 columns
+    assert np.all(np.isfinite(got[:first])) and np.all(np.isfinite(got[first:, 128:]))
 
 
 def test_lowers_to_its_custom_call(rng):

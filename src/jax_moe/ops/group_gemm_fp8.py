@@ -23,10 +23,12 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes):
     past sum(expert_sizes) are zero. A block scale or input holding NaN or
     infinity makes NaN of the outputs it reaches, and no others.
 
-    Kernels: the CPU one; on CUDA, for bf16 x on Hopper (N a multiple of 8,
-    K of 16), CUTLASS's blockwise-scaled fp8 grouped GEMM (x quantised into
-    the scratch output first), else a portable SIMT kernel. Not
-    differentiable (fp8 weights are for inference)."""
+    Kernels: the CPU one; on CUDA, with at most 2 rows an expert on average
+    and K a multiple of 16, a decode kernel (the weights streamed once into
+    tensor cores); else for bf16 x on Hopper (N a multiple of 8, K of 16),
+    CUTLASS's blockwise-scaled fp8 grouped GEMM (x quantised into the
+    scratch output first); else a portable SIMT kernel. Not differentiable
+    (fp8 weights are for inference)."""
     _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes)
     return _group_gemm_fp8(x, w, w_scale, expert_sizes)
 

@@ -58,12 +58,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/group_gemm/decode.cuh"
 #include "kernels/cuda/group_gemm/fp8_simt.cuh"
+#include "kernels/cuda/group_gemm/fp8_skinny.cuh"
 #include "kernels/cuda/group_gemm/launch.h"
 #include "kernels/cuda/group_gemm/mma_tile.cuh"
 #include "kernels/cuda/group_gemm/schedule.cuh"
@@ -181,6 +183,47 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
     const unsigned grid = Schedule(a, d.groups, kF8BM, kF8BN);
     return LaunchKernel(GroupGemmFp8Kernel<DT>, grid, kThreads, 0, stream, false,
                         static_cast<const S*>(x), w, w_scale, sizes, static_cast<S*>(out), a);
+  };
+  switch (dtype) {
+    case DType::F32:
+      return launch.template operator()<DType::F32>();
+    case DType::BF16:
+      return launch.template operator()<DType::BF16>();
+    default:
+      return launch.template operator()<DType::F16>();
+  }
+}
+
+cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
+                                     const uint8_t* w, const float* w_scale,
+                                     const int32_t* sizes, void* out, const GemmDims& d,
+                                     bool* ran) {
+  *ran = false;
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  const int64_t smem = Fp8SkinnySmem(d.groups, d.k);
+  const int64_t smem_cap = std::min<int64_t>(kFp8SkinnyMaxSmem, DeviceSmemOptin());
+  if (d.m <= 0 || d.n <= 0 || d.groups <= 0 || d.m > kFp8SkinnyMaxAvgRows * d.groups ||
+      d.k <= 0 || d.k % 16 != 0 || !aligned(x) || !aligned(w) || smem > smem_cap)
+    return cudaSuccess;
+  *ran = true;  // from here on, the call is ours (errors are reported, not retried)
+  auto launch = [&]<DType DT>() {
+    using S = Fp8Storage<DT>;
+    const auto kernel = GroupGemmFp8SkinnyKernel<DT>;
+    cudaError_t err = EnsureDynamicSmem<GroupGemmFp8SkinnyKernel<DT>>(static_cast<int>(smem_cap));
+    if (err != cudaSuccess) return err;
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kFp8SkinnyThreads,
+                                                        static_cast<size_t>(smem));
+    if (err != cudaSuccess) return err;
+    // Items: passes (at most ceil(m / rows) + the experts with rows) x column chunks.
+    const int64_t chunks = (d.n + kFp8SkinnyCols - 1) / kFp8SkinnyCols;
+    const int64_t passes =
+        (d.m + kFp8SkinnyRows - 1) / kFp8SkinnyRows + std::min<int64_t>(d.m, d.groups);
+    const int64_t grid = std::max<int64_t>(
+        1, std::min<int64_t>(passes * chunks, static_cast<int64_t>(per_sm) * DeviceSms()));
+    return LaunchKernel(kernel, static_cast<unsigned>(grid), kFp8SkinnyThreads,
+                        static_cast<size_t>(smem), stream, false, static_cast<const S*>(x), w,
+                        w_scale, sizes, static_cast<S*>(out), d.m, d.n, d.k, d.groups);
   };
   switch (dtype) {
     case DType::F32:

@@ -37,6 +37,18 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
                                   const uint8_t* w, const float* w_scale, const int32_t* sizes,
                                   void* out, const GemmDims& d);
 
+// The fp8 grouped GEMM's decode form (fp8_skinny.cuh), the same call as
+// LaunchGroupGemmFp8For, for at most 2 rows an expert on average (m <= 2 *
+// groups), K a multiple of 16, 16-byte aligned x and w, and shared memory
+// for the schedule and eight quantised rows (8 * (groups + 1) + 8 *
+// ceil(K/128) * 132 bytes) within the device's opt-in limit and 160 KB.
+// Sets *ran when it launched; otherwise launches nothing and the caller runs
+// another kernel.
+cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
+                                     const uint8_t* w, const float* w_scale,
+                                     const int32_t* sizes, void* out, const GemmDims& d,
+                                     bool* ran);
+
 // Whether the current device runs programmatic dependent launch (compute
 // capability 9.0+), for a caller that chains LaunchGroupGemmFor with other
 // kernels of one call (expert_mlp); asked once per device.

@@ -1,0 +1,266 @@
+// The fp8 grouped GEMM's decode form (any CUDA GPU, sm_80+): a few rows an
+// expert (m <= kFp8SkinnyMaxAvgRows * groups), where the time is reading the
+// fp8 weights once. Same recipe and results (up to the order of the f32
+// sums) as the portable kernel (fp8_simt.cuh) and the CPU one.
+//
+//  * Persistent: a resident grid; each block scans expert_sizes once into
+//    shared memory (row starts and passes of up to 8 rows per expert) and
+//    walks work items (expert, pass, 128 columns: one weight scale block),
+//    the columns fastest so that blocks in flight share a pass's rows.
+//  * Per item the pass's rows are quantised into shared memory (a half-warp
+//    per 128-channel block: 16-byte loads, the amax by shuffles, the scale,
+//    the e4m3 codes).
+//  * Tensor cores, swap-AB: eight warps of 16 weight rows (output columns)
+//    each, mma.sync m16n8k16 with the weight rows on M and the pass's rows
+//    (tokens) on N, both as f16 (which holds every e4m3 value exactly),
+//    products summed in f32 over each 128-channel block, then added to the
+//    accumulators times both block scales. A lane loads 16 codes (16 bytes)
+//    of each of its two weight rows per 64 channels, straight into the mma's
+//    A registers: the reduction order over a block's channels is permuted
+//    the same way in A and B. Four such loads a lane in flight.
+//  * Conversions: the hardware's (satfinite e4m3, exact e4m3 -> f16) on
+//    sm_89+, which give the recipe's codes (tools/fp8_cvt_check.cu); the
+//    recipe's integer code elsewhere.
+//  * Rows past sum(sizes) are zeroed by the same grid after its items.
+// Part of the one translation unit of dispatch.cu.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/common/fp8_e4m3.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/group_gemm/fp8_simt.cuh"
+
+namespace jax_moe {
+namespace {
+
+constexpr int kFp8SkinnyThreads = 256;
+constexpr int kFp8SkinnyRows = 8;     // token rows a pass: the mma's N
+constexpr int kFp8SkinnyCols = 128;   // columns an item: 8 warps x 16, one scale block
+// Up to 2 rows an expert on average (H200, the layer with DeepSeek-V3 and
+// Qwen3-235B-A22B shapes: faster than the CUTLASS kernel at 0.5-1 rows an
+// expert, slower at 4-8; docs/performance.md).
+constexpr int kFp8SkinnyMaxAvgRows = 2;
+constexpr int kFp8SkinnyMaxSmem = 160 * 1024;
+static_assert(kFp8SkinnyCols == kFp8Block, "an item's columns share one weight scale block");
+
+// Shared memory of a call: row starts S and pass prefix Q (E + 1 int32 each),
+// the pass's quantised rows (codes, rows of kb * 128) and their block scales.
+inline int64_t Fp8SkinnySmem(int64_t groups, int64_t k) {
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block;
+  return 2 * (groups + 1) * 4 + kFp8SkinnyRows * kb * (kFp8Block + 4);
+}
+
+// Two e4m3 codes (low byte first) of a, b = v * inv, clipped to +-448.
+__device__ __forceinline__ uint32_t Fp8SkinnyPair(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+#else
+  return Fp8Quantize(a, 1.0f) | (static_cast<uint32_t>(Fp8Quantize(b, 1.0f)) << 8);
+#endif
+}
+
+// Two e4m3 codes (the low 16 bits, low byte first) as an f16 pair's bits (exact).
+__device__ __forceinline__ uint32_t Fp8SkinnyDecode2(uint32_t codes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __half2_raw raw =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
+#else
+  const __half2 h = __floats2half2_rn(Fp8ToFloat(codes & 0xff), Fp8ToFloat((codes >> 8) & 0xff));
+  uint32_t bits;
+  memcpy(&bits, &h, 4);
+  return bits;
+#endif
+}
+
+template <DType DT>
+__global__ void __launch_bounds__(kFp8SkinnyThreads)
+    GroupGemmFp8SkinnyKernel(const Fp8Storage<DT>* __restrict__ x,
+                             const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
+                             const int32_t* __restrict__ sizes, Fp8Storage<DT>* __restrict__ out,
+                             int64_t m, int64_t n, int64_t k, int64_t groups) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
+  const int64_t kp = kb * kFp8Block;  // a quantised row's pitch
+  uint8_t* xq = smem;                                                          // [row][kp]
+  float* sx = reinterpret_cast<float*>(xq + kFp8SkinnyRows * kp);             // [row][kb]
+  int32_t* row_start = reinterpret_cast<int32_t*>(sx + kFp8SkinnyRows * kb);  // S[0..E]
+  int32_t* pass0 = row_start + groups + 1;                                     // Q[0..E]
+
+  // The schedule: S[e] = min(rows before e, m), Q[e] = passes before e.
+  using Scan = cub::BlockScan<int64_t, kFp8SkinnyThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  int64_t carry = 0, pass_carry = 0;
+  for (int64_t base = 0; base < groups; base += kFp8SkinnyThreads) {
+    const int64_t e = base + threadIdx.x;
+    const int32_t s = e < groups ? sizes[e] : 0;
+    const int64_t count = s > 0 ? s : 0;
+    int64_t incl, total;
+    Scan(scan).InclusiveSum(count, incl, total);
+    const int64_t lo = carry + incl - count < m ? carry + incl - count : m;
+    const int64_t hi = carry + incl < m ? carry + incl : m;
+    const int64_t passes = e < groups ? (hi - lo + kFp8SkinnyRows - 1) / kFp8SkinnyRows : 0;
+    int64_t pass_excl, pass_total;
+    __syncthreads();  // `scan` is reused
+    Scan(scan).ExclusiveSum(passes, pass_excl, pass_total);
+    if (e < groups) {
+      row_start[e] = static_cast<int32_t>(lo);
+      pass0[e] = static_cast<int32_t>(pass_carry + pass_excl);
+    }
+    carry = carry + total < m ? carry + total : m;  // exact: min(min(a, m) + b, m)
+    pass_carry += pass_total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    row_start[groups] = static_cast<int32_t>(carry);
+    pass0[groups] = static_cast<int32_t>(pass_carry);
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q = lane & 3;  // the mma's row group and k / token pair
+  const int64_t chunks = (n + kFp8SkinnyCols - 1) / kFp8SkinnyCols;
+  const int64_t items = static_cast<int64_t>(pass0[groups]) * chunks;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t chunk = item % chunks, pidx = item / chunks;
+    int64_t lo = 0, hi = groups - 1;  // e: the last expert with Q[e] <= pidx (it has passes)
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (pass0[mid] <= pidx) lo = mid;
+      else hi = mid - 1;
+    }
+    const int64_t e = lo;
+    const int64_t r0 = row_start[e] + (pidx - pass0[e]) * kFp8SkinnyRows;
+    const int64_t rows_left = row_start[e + 1] - r0;
+    const int rn = static_cast<int>(rows_left < kFp8SkinnyRows ? rows_left : kFp8SkinnyRows);
+
+    // The pass's rows, quantised: task t = 8 channels, 16 tasks a block, a
+    // half-warp each (kp / 8 tasks a row, a multiple of 16). Rows past rn
+    // are left as they are: they only reach the mma's columns of those
+    // rows, which are never stored.
+    __syncthreads();  // the previous item is done with xq / sx
+    const int64_t tasks = rn * (kp / 8);
+    for (int64_t t0 = 0; t0 < tasks; t0 += kFp8SkinnyThreads) {  // uniform: shuffles below
+      const int64_t t = t0 + threadIdx.x;
+      const int64_t row = t / (kp / 8), c0 = (t % (kp / 8)) * 8;
+      const bool live = t < tasks && c0 < k;  // k % 16 == 0: all 8 in k
+      float v[8];
+      if (live) {
+        const Fp8Storage<DT>* src = x + (r0 + row) * k + c0;
+        if constexpr (DT == DType::F32) {
+          const float4 a = *reinterpret_cast<const float4*>(src);
+          const float4 b = *reinterpret_cast<const float4*>(src + 4);
+          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+          v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        } else {
+          Unpack<DT>(*reinterpret_cast<const uint4*>(src), v);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = 0.f;
+      }
+      float amax = 0.f;
+      bool bad = false;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (!Fp8Finite(v[j])) bad = true;
+        else amax = fmaxf(amax, fabsf(v[j]));
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) {  // within the half-warp: one block
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        bad = __shfl_xor_sync(0xffffffffu, static_cast<int>(bad), off) != 0 || bad;
+      }
+      if (t < tasks) {
+        const float scale = Fp8BlockScale(amax, bad);
+        const float inv = 1.0f / scale;
+        uint2 codes;
+        codes.x = Fp8SkinnyPair(v[0] * inv, v[1] * inv) |
+                  (Fp8SkinnyPair(v[2] * inv, v[3] * inv) << 16);
+        codes.y = Fp8SkinnyPair(v[4] * inv, v[5] * inv) |
+                  (Fp8SkinnyPair(v[6] * inv, v[7] * inv) << 16);
+        *reinterpret_cast<uint2*>(xq + row * kp + c0) = codes;
+        if ((lane & 15) == 0) sx[row * kb + c0 / kFp8Block] = scale;
+      }
+    }
+    __syncthreads();
+
+    // Warp: weight rows col0 + g and col0 + g + 8 on the mma's M side; per
+    // 64 channels at c, lane (g, q) loads channels [c + 16 q, c + 16 q + 16)
+    // of both rows, and mma j (0..3) takes codes 4j + {0, 1} as its k slots
+    // 2q + {0, 1} and codes 4j + {2, 3} as slots 2q + 8 + {0, 1}; B (token g)
+    // the same channels of the quantised row.
+    const int64_t col0 = chunk * kFp8SkinnyCols + warp * 16;
+    const bool lo_ok = col0 + g < n, hi_ok = col0 + g + 8 < n;
+    const uint8_t* w_lo = w + (e * n + col0 + g) * k + q * 16;
+    const uint8_t* w_hi = w_lo + 8 * k;
+    const float* ws = w_scale + (e * nb + chunk) * kb;
+    const uint8_t* xrow = xq + g * kp + q * 16;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // (row g, tokens 2q, 2q+1), (row g+8, the same)
+    for (int64_t b = 0; b < kb; b += 2) {  // two blocks: eight 16-byte loads in flight
+      uint4 a[2][2][2];                     // [block][64-channel half][row lo / hi]
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t c = (b + bb) * kFp8Block + h * 64 + q * 16;
+          const bool in_k = b + bb < kb && c < k;
+          a[bb][h][0] = in_k && lo_ok ? __ldg(reinterpret_cast<const uint4*>(w_lo + c - q * 16))
+                                      : make_uint4(0, 0, 0, 0);
+          a[bb][h][1] = in_k && hi_ok ? __ldg(reinterpret_cast<const uint4*>(w_hi + c - q * 16))
+                                      : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        if (b + bb >= kb) break;
+        float c4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t c = (b + bb) * kFp8Block + h * 64;
+          const uint4 xv = *reinterpret_cast<const uint4*>(xrow + c);
+          const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+          const uint32_t lw[4] = {a[bb][h][0].x, a[bb][h][0].y, a[bb][h][0].z, a[bb][h][0].w};
+          const uint32_t hw[4] = {a[bb][h][1].x, a[bb][h][1].y, a[bb][h][1].z, a[bb][h][1].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t frag[4] = {Fp8SkinnyDecode2(lw[j]), Fp8SkinnyDecode2(hw[j]),
+                                      Fp8SkinnyDecode2(lw[j] >> 16), Fp8SkinnyDecode2(hw[j] >> 16)};
+            Mma16816<__half>(c4, frag, Fp8SkinnyDecode2(xw[j]), Fp8SkinnyDecode2(xw[j] >> 16));
+          }
+        }
+        const float sw = __ldg(ws + b + bb);
+        const float s0 = sx[(2 * q) * kb + b + bb] * sw, s1 = sx[(2 * q + 1) * kb + b + bb] * sw;
+        acc[0] = fmaf(c4[0], s0, acc[0]);
+        acc[1] = fmaf(c4[1], s1, acc[1]);
+        acc[2] = fmaf(c4[2], s0, acc[2]);
+        acc[3] = fmaf(c4[3], s1, acc[3]);
+      }
+    }
+    using T = typename DevScalar<DT>::T;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = 2 * q + (i & 1);
+      const int64_t col = col0 + g + (i >> 1) * 8;
+      if (tok < rn && col < n)
+        reinterpret_cast<T*>(out)[(r0 + tok) * n + col] = DevScalar<DT>::Store(acc[i]);
+    }
+  }
+
+  // Rows [S[E], m) are zero.
+  const int64_t tail = (m - row_start[groups]) * n;
+  using T = typename DevScalar<DT>::T;
+  T* tail_out = reinterpret_cast<T*>(out) + static_cast<int64_t>(row_start[groups]) * n;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFp8SkinnyThreads + threadIdx.x; i < tail;
+       i += static_cast<int64_t>(gridDim.x) * kFp8SkinnyThreads)
+    tail_out[i] = DevScalar<DT>::Store(0.f);
+}
+
+}  // namespace
+}  // namespace jax_moe
