@@ -149,6 +149,19 @@ cudaError_t LaunchGroupGemm(cudaStream_t stream, const void* x, const void* w,
   }
 }
 
+// launch.template operator()<DT>() for the DType of `dtype` (f32, bf16, else f16).
+template <typename Launch>
+cudaError_t WithFloatDType(DType dtype, Launch&& launch) {
+  switch (dtype) {
+    case DType::F32:
+      return launch.template operator()<DType::F32>();
+    case DType::BF16:
+      return launch.template operator()<DType::BF16>();
+    default:
+      return launch.template operator()<DType::F16>();
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchGroupGemmFor(cudaStream_t stream, DType dtype, const void* x,
@@ -184,14 +197,7 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
     return LaunchKernel(GroupGemmFp8Kernel<DT>, grid, kThreads, 0, stream, false,
                         static_cast<const S*>(x), w, w_scale, sizes, static_cast<S*>(out), a);
   };
-  switch (dtype) {
-    case DType::F32:
-      return launch.template operator()<DType::F32>();
-    case DType::BF16:
-      return launch.template operator()<DType::BF16>();
-    default:
-      return launch.template operator()<DType::F16>();
-  }
+  return WithFloatDType(dtype, launch);
 }
 
 cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
@@ -225,14 +231,7 @@ cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const voi
                         static_cast<size_t>(smem), stream, false, static_cast<const S*>(x), w,
                         w_scale, sizes, static_cast<S*>(out), d.m, d.n, d.k, d.groups);
   };
-  switch (dtype) {
-    case DType::F32:
-      return launch.template operator()<DType::F32>();
-    case DType::BF16:
-      return launch.template operator()<DType::BF16>();
-    default:
-      return launch.template operator()<DType::F16>();
-  }
+  return WithFloatDType(dtype, launch);
 }
 
 bool DeviceSupportsPdl() { return DeviceMajor() >= 9; }

@@ -18,15 +18,12 @@
 //    of each of its two weight rows per 64 channels, straight into the mma's
 //    A registers: the reduction order over a block's channels is permuted
 //    the same way in A and B. Four such loads a lane in flight.
-//  * Conversions: the hardware's (satfinite e4m3, exact e4m3 -> f16) on
-//    sm_89+, which give the recipe's codes (tools/fp8_cvt_check.cu); the
-//    recipe's integer code elsewhere.
+//  * Conversions: fp8_quant.cuh's.
 //  * Rows past sum(sizes) are zeroed by the same grid after its items.
 // Part of the one translation unit of dispatch.cu.
 #pragma once
 
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -35,6 +32,7 @@
 
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/fp8_simt.cuh"
 
 namespace jax_moe {
@@ -55,29 +53,6 @@ static_assert(kFp8SkinnyCols == kFp8Block, "an item's columns share one weight s
 inline int64_t Fp8SkinnySmem(int64_t groups, int64_t k) {
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block;
   return 2 * (groups + 1) * 4 + kFp8SkinnyRows * kb * (kFp8Block + 4);
-}
-
-// Two e4m3 codes (low byte first) of a, b = v * inv, clipped to +-448.
-__device__ __forceinline__ uint32_t Fp8SkinnyPair(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-#else
-  return Fp8Quantize(a, 1.0f) | (static_cast<uint32_t>(Fp8Quantize(b, 1.0f)) << 8);
-#endif
-}
-
-// Two e4m3 codes (the low 16 bits, low byte first) as an f16 pair's bits (exact).
-__device__ __forceinline__ uint32_t Fp8SkinnyDecode2(uint32_t codes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __half2_raw raw =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
-#else
-  const __half2 h = __floats2half2_rn(Fp8ToFloat(codes & 0xff), Fp8ToFloat((codes >> 8) & 0xff));
-  uint32_t bits;
-  memcpy(&bits, &h, 4);
-  return bits;
-#endif
 }
 
 template <DType DT>
@@ -166,26 +141,9 @@ __global__ void __launch_bounds__(kFp8SkinnyThreads)
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = 0.f;
       }
-      float amax = 0.f;
-      bool bad = false;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (!Fp8Finite(v[j])) bad = true;
-        else amax = fmaxf(amax, fabsf(v[j]));
-      }
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1) {  // within the half-warp: one block
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        bad = __shfl_xor_sync(0xffffffffu, static_cast<int>(bad), off) != 0 || bad;
-      }
+      const float scale = Fp8HalfWarpScale(v);
       if (t < tasks) {
-        const float scale = Fp8BlockScale(amax, bad);
-        const float inv = 1.0f / scale;
-        uint2 codes;
-        codes.x = Fp8SkinnyPair(v[0] * inv, v[1] * inv) |
-                  (Fp8SkinnyPair(v[2] * inv, v[3] * inv) << 16);
-        codes.y = Fp8SkinnyPair(v[4] * inv, v[5] * inv) |
-                  (Fp8SkinnyPair(v[6] * inv, v[7] * inv) << 16);
+        const uint2 codes = Fp8Codes8(v, 1.0f / scale);
         *reinterpret_cast<uint2*>(xq + row * kp + c0) = codes;
         if ((lane & 15) == 0) sx[row * kb + c0 / kFp8Block] = scale;
       }
@@ -230,9 +188,9 @@ __global__ void __launch_bounds__(kFp8SkinnyThreads)
           const uint32_t hw[4] = {a[bb][h][1].x, a[bb][h][1].y, a[bb][h][1].z, a[bb][h][1].w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const uint32_t frag[4] = {Fp8SkinnyDecode2(lw[j]), Fp8SkinnyDecode2(hw[j]),
-                                      Fp8SkinnyDecode2(lw[j] >> 16), Fp8SkinnyDecode2(hw[j] >> 16)};
-            Mma16816<__half>(c4, frag, Fp8SkinnyDecode2(xw[j]), Fp8SkinnyDecode2(xw[j] >> 16));
+            const uint32_t frag[4] = {Fp8DecodeHalf2(lw[j]), Fp8DecodeHalf2(hw[j]),
+                                      Fp8DecodeHalf2(lw[j] >> 16), Fp8DecodeHalf2(hw[j] >> 16)};
+            Mma16816<__half>(c4, frag, Fp8DecodeHalf2(xw[j]), Fp8DecodeHalf2(xw[j] >> 16));
           }
         }
         const float sw = __ldg(ws + b + bb);

@@ -21,7 +21,6 @@
 #include <cstdint>
 
 #include <cub/block/block_scan.cuh>
-#include <cuda_fp8.h>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -36,6 +35,7 @@
 #include "cutlass/util/packed_stride.hpp"
 
 #include "kernels/common/fp8_e4m3.h"
+#include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/fp8_sm90a.h"
 #include "kernels/cuda/group_gemm/sm90_common.cuh"
 
@@ -189,13 +189,6 @@ __global__ void __launch_bounds__(kSetupThreads)
   if (threadIdx.x == 0) row0[groups] = carry;
 }
 
-// e4m3 codes of (a, b) in the low and high byte: the hardware conversion
-// (round to nearest even, past +-448 to +-448, NaN to NaN) gives the codes of
-// Fp8Quantize, which clips first, for every input.
-__device__ __forceinline__ uint32_t Fp8Pair(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-
 // One warp a row (grid-stride over the rows in the groups): lane l takes 8
 // channels (one 16-byte load; k % 16 == 0 and x 16-byte aligned: all 8 in
 // k or all past it) of each 256-channel pass, 16 lanes a 128-channel block.
@@ -239,24 +232,9 @@ __global__ void __launch_bounds__(kPrepThreads)
         v[2 * j] = __uint_as_float(words[j] << 16);
         v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
       }
-      float amax = 0.f;
-      bool bad = false;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (!Fp8Finite(v[j])) bad = true;
-        else amax = fmaxf(amax, fabsf(v[j]));
-      }
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1) {  // within the half-warp: one block
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        bad = __shfl_xor_sync(0xffffffffu, static_cast<int>(bad), off) != 0 || bad;
-      }
+      const float scale = Fp8HalfWarpScale(v);
       if (!in_k) continue;
-      const float scale = Fp8BlockScale(amax, bad);
-      const float inv = 1.0f / scale;
-      uint2 codes;
-      codes.x = Fp8Pair(v[0] * inv, v[1] * inv) | (Fp8Pair(v[2] * inv, v[3] * inv) << 16);
-      codes.y = Fp8Pair(v[4] * inv, v[5] * inv) | (Fp8Pair(v[6] * inv, v[7] * inv) << 16);
+      const uint2 codes = Fp8Codes8(v, 1.0f / scale);
       *reinterpret_cast<uint2*>(qr + c0) = codes;
       if ((lane & 15) == 0) sr[(c0 / kFp8Block) * rows] = scale;
     }
