@@ -128,13 +128,21 @@ struct EpilogueWithStagesD<
 };
 #endif
 
+// JAX_MOE_WGRAD_CLUSTER_M, another benchmark-only switch: a cluster of that
+// many CTAs along M, which share each B tile (x's rows) by TMA multicast.
+#ifdef JAX_MOE_WGRAD_CLUSTER_M
+using WgradCluster = Shape<Int<JAX_MOE_WGRAD_CLUSTER_M>, _1, _1>;
+#else
+using WgradCluster = Shape<_1, _1, _1>;
+#endif
+
 template <typename Element>
 struct WgradGemm {
   using LayoutA = cutlass::layout::ColumnMajor;  // dy_e^T, M-major
   using LayoutB = cutlass::layout::RowMajor;     // x_e, N-major
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = WgradTile;
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = WgradCluster;
   static constexpr int kAlignment = 8;  // 16 bytes, as TMA needs
   using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
