@@ -3,8 +3,9 @@ recipe: e4m3 rounding ties and subnormals, NaN and infinity in x, zero and
 huge block scales, all-zero rows, sizes that are not multiples of a tile
 (64 x 64) or of a scale block (128), rows past the groups, and isolation: a
 bad row never changes another row's result. Runs on whatever device JAX has
-(CPU in CI, the GPU there: the "tma" shapes in bf16 take Hopper's CUTLASS
-paths, the others the portable kernel)."""
+(CPU in CI; on a GPU the "skinny" shapes, and every one-token case with K a
+multiple of 16, take the decode kernel, the "tma" shapes in bf16 Hopper's
+CUTLASS paths, the rest the portable kernel)."""
 
 import jax
 import jax.numpy as jnp

@@ -42,8 +42,8 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
 // groups), K a multiple of 16, 16-byte aligned x and w, and shared memory
 // for the schedule and eight quantised rows (8 * (groups + 1) + 8 *
 // ceil(K/128) * 132 bytes) within the device's opt-in limit and 160 KB.
-// Sets *ran when it launched; otherwise launches nothing and the caller runs
-// another kernel.
+// Sets *ran when it takes the call (and returns the launch's error);
+// otherwise launches nothing and the caller runs another kernel.
 cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
                                      const uint8_t* w, const float* w_scale,
                                      const int32_t* sizes, void* out, const GemmDims& d,
