@@ -15,12 +15,14 @@ from jax_moe import fp8
 
 # The twin quantises the same rows with the same rule. Its w13 GEMM sums in
 # another order, so h may differ in the last bit, which can flip one
-# element's e4m3 rounding in the activation's quantisation (2^-4 of that
-# element): f32 results agree to about 1e-4, not to the ulp. In bf16 a
-# last-bit difference of the activation's output flips its e4m3 code far
-# more often (the e4m3 midpoints are bf16 values), and a few flips move the
-# small layers here by up to about 2e-2.
-TOL = {jnp.dtype(jnp.float32): 5e-4, jnp.dtype(jnp.bfloat16): 2e-2}
+# element's e4m3 rounding in the activation's quantisation (up to 2^-4 of
+# that element): f32 results agree to the ulp in most draws (median about
+# 3e-7), but a flip moves the small layers here by up to a few 1e-3 (the
+# largest of 900 draws of test_activations' layers on the CPU: 2.2e-3). In
+# bf16 a last-bit difference of the activation's output flips its e4m3 code
+# far more often (the e4m3 midpoints are bf16 values), and a few flips move
+# the layers by up to about 2e-2.
+TOL = {jnp.dtype(jnp.float32): 5e-3, jnp.dtype(jnp.bfloat16): 2e-2}
 
 
 def layer_inputs(rng, tokens, hidden, inter, experts, dtype, pattern="uniform", k=2, gated=True):
