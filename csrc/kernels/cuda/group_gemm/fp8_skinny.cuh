@@ -17,7 +17,7 @@
 //    accumulators times both block scales. A lane loads 16 codes (16 bytes)
 //    of each of its two weight rows per 64 channels, straight into the mma's
 //    A registers: the reduction order over a block's channels is permuted
-//    the same way in A and B. Four such loads a lane in flight.
+//    the same way in A and B. Two blocks' loads (eight a lane) in flight.
 //  * Conversions: fp8_quant.cuh's.
 //  * Rows past sum(sizes) are zeroed by the same grid after its items.
 // Part of the one translation unit of dispatch.cu.
