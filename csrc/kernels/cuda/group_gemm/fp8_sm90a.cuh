@@ -286,31 +286,15 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   auto* swt = reinterpret_cast<float*>(base + l.swt);
 
   typename G::Gemm gemm;
-  typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(c.groups), shapes, nullptr};
-  args.mainloop.ptr_A = ptr_a;
-  args.mainloop.dA = stride_a;
-  args.mainloop.ptr_B = ptr_b;
-  args.mainloop.dB = stride_b;
-  args.mainloop.ptr_SFA = ptr_sfa;
-  args.mainloop.layout_SFA = layout_sfa;
-  args.mainloop.ptr_SFB = ptr_sfb;
-  args.mainloop.layout_SFB = layout_sfb;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = ptr_d;
-  args.epilogue.dD = stride_d;
-  args.hw_info.device_id = dev;
-  args.hw_info.sm_count = sms;
-  if (G::Gemm::get_workspace_size(args) > l.xq - l.workspace ||
-      gemm.can_implement(args) != cutlass::Status::kSuccess ||
-      gemm.initialize(args, base + l.workspace, c.stream) != cutlass::Status::kSuccess) {
-    cudaGetLastError();
-    return cudaSuccess;
-  }
+  const bool ready = InitGrouped(
+      gemm, c.groups, shapes, ptr_a, stride_a, ptr_b, stride_b, ptr_d, stride_d, dev, sms,
+      base + l.workspace, l.xq - l.workspace, c.stream, [&](typename G::Gemm::Arguments& args) {
+        args.mainloop.ptr_SFA = ptr_sfa;
+        args.mainloop.layout_SFA = layout_sfa;
+        args.mainloop.ptr_SFB = ptr_sfb;
+        args.mainloop.layout_SFB = layout_sfb;
+      });
+  if (!ready) return cudaSuccess;
 
   const int n = static_cast<int>(c.n), k = static_cast<int>(c.k);
   Fp8SetupKernel<<<1, kSetupThreads, 0, c.stream>>>(

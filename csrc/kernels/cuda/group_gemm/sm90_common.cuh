@@ -42,11 +42,14 @@ size_t WorkspaceBytes(int64_t groups) {
 // Host-only (initialize sets the kernel's shared memory attribute): false,
 // with nothing launched, when CUTLASS declines the problems or needs more
 // than `workspace_bytes` of workspace, and the caller falls back.
+// `more(args)` sets a kernel's further arguments (the fp8 GEMM's scales).
 template <typename Gemm, typename Shape, typename PtrA, typename StrideA, typename PtrB,
-          typename StrideB, typename PtrD, typename StrideD>
+          typename StrideB, typename PtrD, typename StrideD, typename More = void (*)(
+              typename Gemm::Arguments&)>
 bool InitGrouped(Gemm& gemm, int64_t groups, Shape* shapes, PtrA ptr_a, StrideA* stride_a,
                  PtrB ptr_b, StrideB* stride_b, PtrD ptr_d, StrideD* stride_d, int dev, int sms,
-                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                 More more = [](typename Gemm::Arguments&) {}) {
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(groups), shapes, nullptr};
@@ -62,6 +65,7 @@ bool InitGrouped(Gemm& gemm, int64_t groups, Shape* shapes, PtrA ptr_a, StrideA*
   args.epilogue.dD = stride_d;
   args.hw_info.device_id = dev;
   args.hw_info.sm_count = sms;
+  more(args);
   if (Gemm::get_workspace_size(args) > workspace_bytes ||
       gemm.can_implement(args) != cutlass::Status::kSuccess ||
       gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
