@@ -108,6 +108,12 @@ NB_MODULE(_jax_moe, m) {
   decode["max_inter"] = kDecodeMaxInter;
   decode["multiple"] = kDecodeMultiple;
   m.attr("DECODE_LIMITS") = decode;
+  nb::dict decode_fp8;  // moe_decode_fp8's, likewise
+  decode_fp8["max_topk"] = kDecodeFp8MaxTopk;
+  decode_fp8["max_hidden"] = kDecodeFp8MaxHidden;
+  decode_fp8["max_inter"] = kDecodeFp8MaxInter;
+  decode_fp8["multiple"] = kDecodeFp8Multiple;
+  m.attr("DECODE_FP8_LIMITS") = decode_fp8;
   m.attr("DECODE_SPLIT_UNIT") = kDecodeSplitUnit;
   m.attr("DECODE_MAX_SPLIT_TOKENS") = kDecodeMaxSplitTokens;
 }

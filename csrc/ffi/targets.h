@@ -20,6 +20,7 @@ namespace jax_moe {
   X("jax_moe_expert_mlp", ExpertMlp)             \
   X("jax_moe_moe_layer", MoeLayer)               \
   X("jax_moe_moe_decode", MoeDecode)             \
+  X("jax_moe_moe_decode_fp8", MoeDecodeFp8)      \
   X("jax_moe_activation", Activation)            \
   X("jax_moe_activation_grad", ActivationGrad)   \
   X("jax_moe_combine", Combine)                  \
@@ -245,6 +246,25 @@ auto MoeDecodeSignature(Bound bound) {
       .template Attr<float>("routed_scaling_factor")
       .template Ret<xla::ffi::AnyBuffer>()  // out (1, H)
       .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: act (topk, I)
+}
+
+// moe_decode_fp8 (the fp8 layer's one-token form): a token's routed experts
+// with block-scaled e4m3 weights in one call, after the router
+template <typename Bound>
+auto MoeDecodeFp8Signature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // hidden_states (1, H) f32 / bf16 / f16
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_ids (1, k)
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // topk_weights (1, k)
+      .template Arg<xla::ffi::AnyBuffer>()  // w13 (E, 2I or I, H) float8_e4m3fn
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w13_scale
+      .template Arg<xla::ffi::AnyBuffer>()  // w2 (E, H, I) float8_e4m3fn
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w2_scale
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Ret<xla::ffi::AnyBuffer>()  // out (1, H), x's dtype
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // scratch: act (k, I)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // scratch: y (k, H)
 }
 
 // group_gemm_wgrad (ops.group_gemm_wgrad): the weight gradient of group_gemm

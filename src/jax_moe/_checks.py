@@ -45,6 +45,10 @@ TILE_M = (8, 16, 32, 64, 128, 256)
 # One token, bf16 or f16.
 DECODE_LIMITS = types.MappingProxyType({k: int(v) for k, v in _ext.DECODE_LIMITS.items()})
 DECODE_DTYPES = ("bfloat16", "float16")
+# moe_decode_fp8's (the fp8 layer's one-token kernel, CUDA only; same header):
+# max_topk, max_hidden, max_inter and the multiple that H and I must be of.
+DECODE_FP8_LIMITS = types.MappingProxyType(
+    {k: int(v) for k, v in _ext.DECODE_FP8_LIMITS.items()})
 INT32_MAX = 2**31 - 1
 
 

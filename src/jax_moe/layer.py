@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks, backends
+from jax_moe.ops.moe_decode_fp8 import _moe_decode_fp8, decode_fp8_applies
 
 __all__ = ["moe_forward", "MoEConfig", "MoELayer"]
 
@@ -41,14 +42,25 @@ def _decode_applies(spec: _checks.Layer, a: dict) -> bool:
 
 def _fp8_routed(steps, spec: _checks.Layer, x, logits, w13, w2, bias, w13_scale, w2_scale):
     """Steps 1-7 with block-scaled fp8 expert weights: routing, index and
-    combine as for float weights, steps 3-6 backends.fp8_expert_mlp."""
+    combine as for float weights, steps 3-6 backends.fp8_expert_mlp. One
+    token on the GPU: steps 3-7 in one kernel (ops.moe_decode_fp8)."""
     r = spec.routing
     experts = w13.shape[0]
     weights, ids = steps.route(logits, bias, r)
-    src_to_dst, dst_to_src, sizes = steps.token_index(ids, experts, 0, experts)
-    y = backends.fp8_expert_mlp(steps, x, w13, w13_scale, w2, w2_scale, sizes, dst_to_src,
-                                r.topk, spec.activation, spec.is_gated)
-    return steps.combine(y, weights, src_to_dst, dst_to_src)
+
+    def chain(x, weights, ids):
+        src_to_dst, dst_to_src, sizes = steps.token_index(ids, experts, 0, experts)
+        y = backends.fp8_expert_mlp(steps, x, w13, w13_scale, w2, w2_scale, sizes, dst_to_src,
+                                    r.topk, spec.activation, spec.is_gated)
+        return steps.combine(y, weights, src_to_dst, dst_to_src)
+
+    def fused(x, weights, ids):
+        return _moe_decode_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, spec.activation,
+                               spec.is_gated)
+
+    if steps is _FFI and decode_fp8_applies(x, w2, r.topk):
+        return jax.lax.platform_dependent(x, weights, ids, cuda=fused, default=chain)
+    return chain(x, weights, ids)
 
 
 def _layer(steps, spec: _checks.Layer, a: dict):
@@ -126,8 +138,10 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     block, w13_scale (E, ceil(2*I/128), ceil(H/128)) and w2_scale (E,
     ceil(H/128), ceil(I/128)) (the checkpoints' ``weight_scale_inv``). Both
     GEMMs then run ``ops.group_gemm_fp8`` (each row of their input quantised
-    per 128 channels); the rest of the layer is unchanged. Not
-    differentiable with fp8 weights (inference).
+    per 128 channels); the rest of the layer is unchanged. On the GPU one
+    token (H and I multiples of 16) runs everything after the router in one
+    kernel (the jax_moe_moe_decode_fp8 custom call), with the same rounding
+    points. Not differentiable with fp8 weights (inference).
 
     backend: "ffi" (the custom calls) or "reference" (plain jax.numpy); see
     jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``

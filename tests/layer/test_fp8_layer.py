@@ -50,7 +50,7 @@ def check_against_twin(a, **kw):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("tokens,hidden,inter,experts,k", [
-    (1, 256, 128, 8, 2),      # one token (the decode kernel does not take fp8)
+    (1, 256, 128, 8, 2),      # one token (on the GPU: ops.moe_decode_fp8)
     (37, 200, 136, 6, 2),     # sizes off the 128 grid
     (64, 256, 128, 4, 4),     # topk = E
 ])

@@ -37,4 +37,35 @@ struct MoeDecodeProblem {
   float scale;  // routed_scaling_factor
 };
 
+// moe_decode_fp8 (one token's routed experts with block-scaled e4m3 weights
+// in one call, CUDA only): the limits both the handler and Python check.
+// Shared memory holds x's codes and every slot's act codes.
+constexpr int64_t kDecodeFp8MaxTopk = 16;
+constexpr int64_t kDecodeFp8MaxHidden = 16384;
+constexpr int64_t kDecodeFp8MaxInter = 4096;
+constexpr int64_t kDecodeFp8Multiple = 16;  // H and I: whole 16-byte code loads
+
+// One token's picks (ids, weights: the router's output) through their
+// experts with fp8 weights: h = round(x_q . w13[e]) per 128-channel block
+// scales (x quantised per 128 channels as the fp8 recipe), act = round(act(
+// round(gate)) * round(up)) (gated) or round(act(round(h))), y =
+// round(act_q . w2[e]), out = sum over the slots in order of weight * y.
+// x and out share one dtype (f32, bf16 or f16), sums in f32. A slot whose
+// id is outside [0, E) adds nothing.
+struct MoeDecodeFp8Problem {
+  const void* x;             // (H)
+  const int32_t* ids;        // (k)
+  const float* weights;      // (k)
+  const uint8_t* w13;        // (E, N13, H), N13 = 2I (gated) or I
+  const float* w13_scale;    // (E, ceil(N13 / 128), ceil(H / 128))
+  const uint8_t* w2;         // (E, H, I)
+  const float* w2_scale;     // (E, ceil(H / 128), ceil(I / 128))
+  float* act;                // (k, I) scratch
+  float* y;                  // (k, H) scratch
+  void* out;                 // (H)
+  int64_t experts, hidden, inter, topk;
+  int64_t activation;        // numeric.h's Activation
+  bool gated;
+};
+
 }  // namespace jax_moe

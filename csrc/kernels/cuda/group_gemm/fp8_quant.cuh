@@ -1,9 +1,11 @@
 // The fp8 recipe (kernels/common/fp8_e4m3.h) on the GPU for the kernels
-// that quantise rows of x themselves (fp8_skinny.cuh, fp8_sm90a.cuh): a
-// half-warp holds one 128-channel block, 8 channels a lane. The hardware's
-// conversions on sm_89+ (satfinite e4m3, exact e4m3 -> f16) give the
-// recipe's codes for every input (tools/fp8_cvt_check.cu); the recipe's
-// integer code runs elsewhere.
+// that quantise rows of x themselves (fp8_skinny.cuh, fp8_sm90a.cuh,
+// moe_decode_fp8.cu): a half-warp holds one 128-channel block, 8 channels a
+// lane. The hardware's conversions on sm_89+ (satfinite e4m3, exact e4m3 ->
+// f16) give the recipe's codes for every input (tools/fp8_cvt_check.cu); the
+// recipe's integer code runs elsewhere. Also the decode kernels' shared
+// steps: rows quantised into shared memory, and a warp's 16 weight rows
+// multiplied with them on tensor cores.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -12,8 +14,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/common/fp8_e4m3.h"
+#include "kernels/cuda/cuda_common.cuh"
 
 namespace jax_moe {
 namespace {
@@ -67,6 +71,99 @@ __device__ __forceinline__ uint32_t Fp8DecodeHalf2(uint32_t codes) {
   memcpy(&bits, &h, 4);
   return bits;
 #endif
+}
+
+// x's storage in the fp8 kernels: f32, or the 16-bit bits of bf16 / f16.
+template <DType DT>
+using Fp8Storage = std::conditional_t<DT == DType::F32, float, uint16_t>;
+
+// Rows [0, rows) of src (row pitch k elements, k % 8 == 0, 16-byte aligned)
+// quantised by the whole block into xq (row pitch kp = kb * 128 bytes; codes
+// past k are zero) and their block scales into sx (row pitch kb): a task is
+// 8 channels, a half-warp a 128-channel block. Ends with the block at a
+// barrier, xq and sx written.
+template <DType DT>
+__device__ void Fp8QuantiseRows(const Fp8Storage<DT>* __restrict__ src, int64_t k, int rows,
+                                uint8_t* xq, float* sx, int64_t kb) {
+  const int64_t kp = kb * kFp8Block, per_row = kp / 8;
+  const int64_t tasks = rows * per_row;
+  const int lane = threadIdx.x & 31;
+  __syncthreads();  // earlier readers of xq / sx are done
+  for (int64_t t0 = 0; t0 < tasks; t0 += blockDim.x) {  // uniform: shuffles below
+    const int64_t t = t0 + threadIdx.x;
+    const int64_t row = t / per_row, c0 = (t % per_row) * 8;
+    float v[8];
+    if (t < tasks && c0 < k) {  // k % 8 == 0: all 8 in k
+      const Fp8Storage<DT>* p = src + row * k + c0;
+      if constexpr (DT == DType::F32) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        const float4 b = *reinterpret_cast<const float4*>(p + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+        v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      } else {
+        Unpack<DT>(*reinterpret_cast<const uint4*>(p), v);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    }
+    const float scale = Fp8HalfWarpScale(v);
+    if (t < tasks) {
+      *reinterpret_cast<uint2*>(xq + row * kp + c0) = Fp8Codes8(v, 1.0f / scale);
+      if ((lane & 15) == 0) sx[row * kb + c0 / kFp8Block] = scale;
+    }
+  }
+  __syncthreads();
+}
+
+// A lane's codes of one 128-channel block of a warp's two weight rows (lo:
+// row g, hi: row g + 8 of the mma's 16; g = lane / 4, q = lane % 4): per
+// 64-channel half, channels [16 q, 16 q + 16), zero where a row is out of
+// range or the block past k.
+struct Fp8BlockCodes {
+  uint4 v[2][2];  // [64-channel half][lo / hi]
+};
+
+// w_lo / w_hi: the rows' first codes plus 16 q; blk the block.
+__device__ __forceinline__ void Fp8LoadBlockCodes(Fp8BlockCodes& a, const uint8_t* w_lo,
+                                                  const uint8_t* w_hi, int64_t blk, int64_t kb,
+                                                  int64_t k, bool lo_ok, bool hi_ok, int q) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c = blk * kFp8Block + h * 64;
+    const bool in_k = blk < kb && c + q * 16 < k;  // k % 16 == 0
+    a.v[h][0] = in_k && lo_ok ? __ldg(reinterpret_cast<const uint4*>(w_lo + c))
+                              : make_uint4(0, 0, 0, 0);
+    a.v[h][1] = in_k && hi_ok ? __ldg(reinterpret_cast<const uint4*>(w_hi + c))
+                              : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The block's products, summed in f32 by mma.sync m16n8k16 (f16 operands,
+// exact for e4m3): c4 (zeroed here) holds mma's C, rows g and g + 8 by the
+// tokens 2q, 2q + 1. xblk: this lane's token row's codes of the block in
+// shared memory, plus 16 q. Lane (g, q) gives the mma codes 4j + {0, 1} of
+// each 16-code load as k slots 2q + {0, 1} and codes 4j + {2, 3} as slots
+// 2q + 8 + {0, 1}: the reduction over the block's channels is permuted the
+// same way in A and B.
+__device__ __forceinline__ void Fp8MmaBlock(float (&c4)[4], const Fp8BlockCodes& a,
+                                            const uint8_t* xblk) {
+  c4[0] = c4[1] = c4[2] = c4[3] = 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(xblk + h * 64);
+    const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+    const uint4& lo = a.v[h][0];
+    const uint4& hi = a.v[h][1];
+    const uint32_t lw[4] = {lo.x, lo.y, lo.z, lo.w};
+    const uint32_t hw[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t frag[4] = {Fp8DecodeHalf2(lw[j]), Fp8DecodeHalf2(hw[j]),
+                                Fp8DecodeHalf2(lw[j] >> 16), Fp8DecodeHalf2(hw[j] >> 16)};
+      Mma16816<__half>(c4, frag, Fp8DecodeHalf2(xw[j]), Fp8DecodeHalf2(xw[j] >> 16));
+    }
+  }
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/schedule.cuh"
 
 namespace jax_moe {
@@ -27,9 +28,6 @@ constexpr int kF8BN = 64;  // columns per tile: inside one 128-column scale bloc
 constexpr int kF8Ld = kF8BM + 8;  // f16 row pitch of the [channel][row] stages
 static_assert(kFp8Block % kF8BN == 0, "a tile's columns share one weight scale block");
 static_assert(kF8BM == kF8BN, "one loader layout for both operands");
-
-template <DType DT>
-using Fp8Storage = std::conditional_t<DT == DType::F32, float, uint16_t>;
 
 template <DType DT>
 __device__ __forceinline__ float Fp8LoadX(const Fp8Storage<DT>* p) {

@@ -7,18 +7,16 @@
 //    shared memory (row starts and passes of up to 8 rows per expert) and
 //    walks work items (expert, pass, 128 columns: one weight scale block),
 //    the columns fastest so that blocks in flight share a pass's rows.
-//  * Per item the pass's rows are quantised into shared memory (a half-warp
-//    per 128-channel block: 16-byte loads, the amax by shuffles, the scale,
-//    the e4m3 codes).
+//  * Per item the pass's rows are quantised into shared memory
+//    (fp8_quant.cuh's Fp8QuantiseRows).
 //  * Tensor cores, swap-AB: eight warps of 16 weight rows (output columns)
 //    each, mma.sync m16n8k16 with the weight rows on M and the pass's rows
 //    (tokens) on N, both as f16 (which holds every e4m3 value exactly),
 //    products summed in f32 over each 128-channel block, then added to the
 //    accumulators times both block scales. A lane loads 16 codes (16 bytes)
 //    of each of its two weight rows per 64 channels, straight into the mma's
-//    A registers: the reduction order over a block's channels is permuted
-//    the same way in A and B. Two blocks' loads (eight a lane) in flight.
-//  * Conversions: fp8_quant.cuh's.
+//    A registers (Fp8LoadBlockCodes, Fp8MmaBlock). Two blocks' loads (eight
+//    a lane) in flight.
 //  * Rows past sum(sizes) are zeroed by the same grid after its items.
 // Part of the one translation unit of dispatch.cu.
 #pragma once
@@ -116,45 +114,12 @@ __global__ void __launch_bounds__(kFp8SkinnyThreads)
     const int64_t rows_left = row_start[e + 1] - r0;
     const int rn = static_cast<int>(rows_left < kFp8SkinnyRows ? rows_left : kFp8SkinnyRows);
 
-    // The pass's rows, quantised: task t = 8 channels, 16 tasks a block, a
-    // half-warp each (kp / 8 tasks a row, a multiple of 16). Rows past rn
-    // are left as they are: they only reach the mma's columns of those
-    // rows, which are never stored.
-    __syncthreads();  // the previous item is done with xq / sx
-    const int64_t tasks = rn * (kp / 8);
-    for (int64_t t0 = 0; t0 < tasks; t0 += kFp8SkinnyThreads) {  // uniform: shuffles below
-      const int64_t t = t0 + threadIdx.x;
-      const int64_t row = t / (kp / 8), c0 = (t % (kp / 8)) * 8;
-      const bool live = t < tasks && c0 < k;  // k % 16 == 0: all 8 in k
-      float v[8];
-      if (live) {
-        const Fp8Storage<DT>* src = x + (r0 + row) * k + c0;
-        if constexpr (DT == DType::F32) {
-          const float4 a = *reinterpret_cast<const float4*>(src);
-          const float4 b = *reinterpret_cast<const float4*>(src + 4);
-          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-          v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        } else {
-          Unpack<DT>(*reinterpret_cast<const uint4*>(src), v);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = 0.f;
-      }
-      const float scale = Fp8HalfWarpScale(v);
-      if (t < tasks) {
-        const uint2 codes = Fp8Codes8(v, 1.0f / scale);
-        *reinterpret_cast<uint2*>(xq + row * kp + c0) = codes;
-        if ((lane & 15) == 0) sx[row * kb + c0 / kFp8Block] = scale;
-      }
-    }
-    __syncthreads();
+    // The pass's rows, quantised. Rows past rn are left as they are: they
+    // only reach the mma's columns of those rows, which are never stored.
+    Fp8QuantiseRows<DT>(x + r0 * k, k, rn, xq, sx, kb);
 
-    // Warp: weight rows col0 + g and col0 + g + 8 on the mma's M side; per
-    // 64 channels at c, lane (g, q) loads channels [c + 16 q, c + 16 q + 16)
-    // of both rows, and mma j (0..3) takes codes 4j + {0, 1} as its k slots
-    // 2q + {0, 1} and codes 4j + {2, 3} as slots 2q + 8 + {0, 1}; B (token g)
-    // the same channels of the quantised row.
+    // Warp: weight rows col0 + g and col0 + g + 8 on the mma's M side, the
+    // pass's rows (tokens, row g of xq for lane (g, q)) on N.
     const int64_t col0 = chunk * kFp8SkinnyCols + warp * 16;
     const bool lo_ok = col0 + g < n, hi_ok = col0 + g + 8 < n;
     const uint8_t* w_lo = w + (e * n + col0 + g) * k + q * 16;
@@ -163,36 +128,15 @@ __global__ void __launch_bounds__(kFp8SkinnyThreads)
     const uint8_t* xrow = xq + g * kp + q * 16;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};  // (row g, tokens 2q, 2q+1), (row g+8, the same)
     for (int64_t b = 0; b < kb; b += 2) {  // two blocks: eight 16-byte loads in flight
-      uint4 a[2][2][2];                     // [block][64-channel half][row lo / hi]
+      Fp8BlockCodes a[2];
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t c = (b + bb) * kFp8Block + h * 64 + q * 16;
-          const bool in_k = b + bb < kb && c < k;
-          a[bb][h][0] = in_k && lo_ok ? __ldg(reinterpret_cast<const uint4*>(w_lo + c - q * 16))
-                                      : make_uint4(0, 0, 0, 0);
-          a[bb][h][1] = in_k && hi_ok ? __ldg(reinterpret_cast<const uint4*>(w_hi + c - q * 16))
-                                      : make_uint4(0, 0, 0, 0);
-        }
+        Fp8LoadBlockCodes(a[bb], w_lo, w_hi, b + bb, kb, k, lo_ok, hi_ok, q);
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         if (b + bb >= kb) break;
-        float c4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t c = (b + bb) * kFp8Block + h * 64;
-          const uint4 xv = *reinterpret_cast<const uint4*>(xrow + c);
-          const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-          const uint32_t lw[4] = {a[bb][h][0].x, a[bb][h][0].y, a[bb][h][0].z, a[bb][h][0].w};
-          const uint32_t hw[4] = {a[bb][h][1].x, a[bb][h][1].y, a[bb][h][1].z, a[bb][h][1].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t frag[4] = {Fp8DecodeHalf2(lw[j]), Fp8DecodeHalf2(hw[j]),
-                                      Fp8DecodeHalf2(lw[j] >> 16), Fp8DecodeHalf2(hw[j] >> 16)};
-            Mma16816<__half>(c4, frag, Fp8DecodeHalf2(xw[j]), Fp8DecodeHalf2(xw[j] >> 16));
-          }
-        }
+        float c4[4];
+        Fp8MmaBlock(c4, a[bb], xrow + (b + bb) * kFp8Block);
         const float sw = __ldg(ws + b + bb);
         const float s0 = sx[(2 * q) * kb + b + bb] * sw, s1 = sx[(2 * q + 1) * kb + b + bb] * sw;
         acc[0] = fmaf(c4[0], s0, acc[0]);
