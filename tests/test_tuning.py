@@ -8,7 +8,7 @@ import pytest
 
 import jax_moe
 from conftest import ON_GPU
-from jax_moe import tuning
+from jax_moe import fp8, tuning
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -150,6 +150,10 @@ def test_shipped_tables_are_well_formed():
             assert key.count("/") == 3, key
             for m, tile in entries:
                 assert m >= 1 and tile in tuning.TILE_M, (path, key)
+        for key, entries in data.get("group_gemm_fp8", {}).items():
+            assert key.count("/") == 3, key
+            for m, tile in entries:
+                assert m >= 1 and tile in tuning.FP8_TILE_M, (path, key)
 
 
 def test_hardware_descriptor():
@@ -214,3 +218,69 @@ def test_shipped_tables_pass_the_check():
     for path in (Path(tuning.__file__).parent / "tuning_tables").glob("*.json"):
         table = tuning._checked_table(json.loads(path.read_text()), path)
         assert table
+
+
+def test_fp8_rule_by_rows_per_expert():
+    assert tuning.default_fp8_tile_m(1, 8) == 8 and tuning.default_fp8_tile_m(16, 8) == 8
+    assert tuning.default_fp8_tile_m(17, 8) == 64        # past 2 rows an expert
+    assert tuning.default_fp8_tile_m(1023, 8) == 64      # under 128 rows an expert
+    assert tuning.default_fp8_tile_m(1024, 8) == 128
+    assert tuning.default_fp8_tile_m(0, 0) == 8
+
+
+def test_fp8_explicit_tile_m_wins_and_is_checked():
+    assert tuning.group_gemm_fp8_tile_m(65536, 128, 3072, 4096, jnp.bfloat16, 8) == 8
+    with pytest.raises(ValueError, match="tile_m"):
+        tuning.group_gemm_fp8_tile_m(8, 8, 8, 8, jnp.bfloat16, 16)
+
+
+def test_fp8_decode_runs():
+    assert tuning.fp8_decode_runs(8, 256, 7168)
+    assert not tuning.fp8_decode_runs(64, 256, 7168)
+    assert not tuning.fp8_decode_runs(8, 256, 7160)        # K not a multiple of 16
+    assert not tuning.fp8_decode_runs(8, 256, 128 * 160)   # past its shared memory
+
+
+def _install_table(tmp_path, monkeypatch, table):
+    kind = "Fake GPU 9000"
+    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
+    (tmp_path / "Fake_GPU_9000.json").write_text(json.dumps(dict(table, device=kind)))
+    tuning.load_table.cache_clear()
+    monkeypatch.setattr(tuning, "_device_kind", lambda: kind)
+
+
+def test_fp8_table_lookup(tmp_path, monkeypatch):
+    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
+    _install_table(tmp_path, monkeypatch, {"group_gemm": {key: [[16, 64]]},
+                                           "group_gemm_fp8": {key: [[16, 64], [4096, 8]]}})
+    try:
+        pick = lambda m, dtype=jnp.bfloat16: tuning.group_gemm_fp8_tile_m(m, 16, 96, 64, dtype)
+        assert pick(10) == 64 and pick(5000) == 8  # the table, however many rows
+        assert pick(10, jnp.float32) == tuning.default_fp8_tile_m(10, 16)  # not listed: the rule
+        assert tuning.group_gemm_fp8_tile_m(5000, 16, 96, 64, jnp.bfloat16, 128) == 128
+    finally:
+        tuning.load_table.cache_clear()
+
+
+def test_fp8_section_is_optional_and_checked(tmp_path, monkeypatch):
+    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
+    _install_table(tmp_path, monkeypatch, {"group_gemm": {key: [[16, 64]]}})
+    try:
+        assert tuning.load_table("Fake GPU 9000", "group_gemm_fp8") == {}
+        assert tuning.group_gemm_fp8_tile_m(40, 16, 96, 64, jnp.bfloat16) == 64  # the rule
+        _install_table(tmp_path, monkeypatch, {"group_gemm": {key: [[16, 64]]},
+                                               "group_gemm_fp8": {key: [[16, 16]]}})
+        with pytest.raises(ValueError, match="group_gemm_fp8") as info:
+            tuning.load_table("Fake GPU 9000", "group_gemm_fp8")
+        assert "tile_m=16" in str(info.value) and "Fake_GPU_9000.json" in str(info.value)
+    finally:
+        tuning.load_table.cache_clear()
+
+
+def test_tune_runs_every_fp8_call(rng):
+    from jax_moe import tune
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    w = fp8.quantize_blocks(jnp.asarray(rng.standard_normal((4, 24, 32)), jnp.float32))
+    sizes = jnp.asarray([[4, 4, 4, 4], [16, 0, 0, 0]], jnp.int32)
+    hlo = tune.gemm_loop(64, 6, fp8_weights=True).lower(x, w, sizes).compile().as_text()
+    assert hlo.count('custom_call_target="jax_moe_group_gemm_fp8"') == 6

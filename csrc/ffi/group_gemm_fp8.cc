@@ -1,10 +1,12 @@
 // The group_gemm_fp8 handlers (ops.group_gemm_fp8): the grouped GEMM with
 // block-scaled e4m3 weights, x quantised per 128 channels inside the kernel.
-// CPU: csrc/kernels/cpu/group_gemm_fp8.cc; CUDA: at most 2 rows an expert
-// on average, the decode form (fp8_skinny.cuh); else CUTLASS's
-// blockwise-scaled fp8 grouped GEMM on Hopper for bf16 x (kernels/cuda/
-// group_gemm/fp8_sm90a.cu) where it applies, else the portable kernel
-// (fp8_simt.cuh).
+// CPU: csrc/kernels/cpu/group_gemm_fp8.cc (one path: tile_m is only checked).
+// CUDA, by tile_m: 8, the decode form (fp8_skinny.cuh); 64 or 128,
+// CUTLASS's blockwise-scaled fp8 grouped GEMM on Hopper for bf16 x
+// (kernels/cuda/group_gemm/fp8_sm90a.cu) in tiles of that many rows; 0, the
+// decode form for at most 2 rows an expert on average, else CUTLASS's with
+// its own tile rule. Where the chosen kernel does not apply: CUTLASS's (own
+// rule), then the portable kernel (fp8_simt.cuh).
 // The scratch output is the Hopper path's, unused elsewhere.
 #include <cstdint>
 
@@ -49,10 +51,16 @@ ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
   return ffi::Error::Success();
 }
 
+ffi::Error CheckFp8TileM(int64_t tile_m) {
+  if (tile_m == 0 || tile_m == 8 || tile_m == 64 || tile_m == 128) return ffi::Error::Success();
+  return InvalidArg("group_gemm_fp8: tile_m must be 0, 8, 64 or 128");
+}
+
 ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
-                           ffi::Result<ffi::AnyBuffer> out,
+                           int64_t tile_m, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> /*scratch*/) {
+  if (auto err = CheckFp8TileM(tile_m); err.failure()) return err;
   GemmDims d;
   if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
     return err;
@@ -66,20 +74,24 @@ ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 #ifdef JAX_MOE_WITH_CUDA
 ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
-                            ffi::Result<ffi::AnyBuffer> out,
+                            int64_t tile_m, ffi::Result<ffi::AnyBuffer> out,
                             [[maybe_unused]] ffi::Result<ffi::AnyBuffer> scratch) {
+  if (auto err = CheckFp8TileM(tile_m); err.failure()) return err;
   GemmDims d;
   if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
     // A few rows an expert: the decode form streams the weights once.
-    bool ran_skinny = false;
-    const cudaError_t skinny_err = LaunchGroupGemmFp8Skinny(
-        stream, DT, x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
-        w_scale.typed_data(), expert_sizes.typed_data(), out->untyped_data(), d, &ran_skinny);
-    if (skinny_err != cudaSuccess) return CudaError(skinny_err, "group_gemm_fp8 launch failed");
-    if (ran_skinny) return ffi::Error::Success();
+    if (tile_m == 0 || tile_m == 8) {
+      bool ran_skinny = false;
+      const cudaError_t skinny_err = LaunchGroupGemmFp8Skinny(
+          stream, DT, x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
+          w_scale.typed_data(), expert_sizes.typed_data(), out->untyped_data(), d, tile_m == 8,
+          &ran_skinny);
+      if (skinny_err != cudaSuccess) return CudaError(skinny_err, "group_gemm_fp8 launch failed");
+      if (ran_skinny) return ffi::Error::Success();
+    }
 #ifdef JAX_MOE_WITH_SM90
     if constexpr (DT == DType::BF16) {
       Sm90Fp8Call call{};
@@ -95,6 +107,7 @@ ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
       call.groups = d.groups;
       call.scratch = scratch->untyped_data();
       call.scratch_bytes = scratch->size_bytes();
+      call.tile_m = tile_m == 64 || tile_m == 128 ? static_cast<int>(tile_m) : 0;
       bool ran = false;
       const cudaError_t err = GroupGemmFp8Sm90(call, &ran);
       if (err != cudaSuccess) return CudaError(err, "group_gemm_fp8 (sm90) launch failed");

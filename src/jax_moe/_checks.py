@@ -39,6 +39,8 @@ MAX_EXPERTS = 3072
 # 256: the CUTLASS sm90 kernel (wgmma + TMA; 64x128, 128x128 or 128x256
 # tiles by rows per expert) where it can run, else the same as 128.
 TILE_M = (8, 16, 32, 64, 128, 256)
+# group_gemm_fp8's: 8 the decode form, 64 and 128 the Hopper kernel's tiles.
+FP8_TILE_M = (8, 64, 128)
 # moe_decode's kernel limits, the constants the C++ handlers enforce
 # (csrc/kernels/common/moe_decode.h, exported by the extension): max_topk,
 # max_experts, max_hidden, max_inter and the multiple that H and I must be of.
@@ -245,14 +247,26 @@ def group_gemm_args(x, w, expert_sizes, tile) -> int | None:
     return tile_m(tile)
 
 
-def group_gemm_fp8_args(x, w, w_scale, expert_sizes) -> None:
+def fp8_tile_m(value) -> int | None:
+    """group_gemm_fp8's tile_m: None (tuned) or one of FP8_TILE_M."""
+    if value is None:
+        return None
+    v = static_int(value, "tile_m")
+    if v not in FP8_TILE_M:
+        raise ValueError(f"tile_m must be None or one of {FP8_TILE_M}, got {value!r}")
+    return v
+
+
+def group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile=None) -> int | None:
     """group_gemm_fp8's arguments: x (M, K) float, w (E, N, K) float8_e4m3fn
-    with its block scales w_scale (E, ceil(N/128), ceil(K/128)) f32."""
+    with its block scales w_scale (E, ceil(N/128), ceil(K/128)) f32; returns
+    tile_m."""
     rank(x, "x", 2)
     _weight_ranks(w, expert_sizes)
     float_dtype(x, "x")
     fp8.check_block_scales(w, w_scale, "w", "w_scale")
     _weight_shapes(x, w, expert_sizes)
+    return fp8_tile_m(tile)
 
 
 def group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk_value, tile) -> tuple:

@@ -83,14 +83,15 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     return _group_gemm(x, w, expert_sizes)
 
 
-def group_gemm_fp8(x, w, w_scale, expert_sizes):
+def group_gemm_fp8(x, w, w_scale, expert_sizes, *, tile_m: int | None = None):
     """group_gemm with block-scaled fp8 weights, the DeepSeek-V3 recipe: w
     (E, N, K) float8_e4m3fn with one f32 scale per 128 x 128 block, w_scale
     (E, ceil(N/128), ceil(K/128)) (dequantised weight = value x scale); each
     row of x (M, K) quantised to e4m3 per 128 channels (jax_moe.fp8.
     quantize_rows); f32 accumulation with both scales applied per K block
-    -> (M, N) in x's dtype. Rows are owned as in group_gemm."""
-    _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes)
+    -> (M, N) in x's dtype. Rows are owned as in group_gemm. tile_m is
+    accepted for signature parity with ops and checked, not used."""
+    _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m)
     return _group_gemm_fp8(x, w, w_scale, expert_sizes)
 
 

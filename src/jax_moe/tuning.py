@@ -29,6 +29,12 @@ would run: such an answer yields to 256 under those conditions, and any
 other table answer stands. Asked for explicitly where it cannot run, 256
 runs the 128-row kernel.
 
+``group_gemm_fp8_tile_m`` picks ops.group_gemm_fp8's kernel the same way,
+from the table's "group_gemm_fp8" section (keys by x's dtype) or the rule
+``default_fp8_tile_m``: 8 is its decode form, 64 and 128 the rows a tile of
+its Hopper kernel (CUTLASS's blockwise-scaled fp8 GEMM, bf16 x:
+``fp8_sm90_usable``).
+
 Results are bitwise reproducible run to run for any choice. The mma.sync
 tiles (32, 64, 128) give identical bits (each output sums K in the same
 order); the decode kernel (8) splits K over 8 warps and adds the partial sums
@@ -58,7 +64,8 @@ from jax_moe._ffi import HAS_SM90_GEMM, _ext
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
            "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
            "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable", "TMA_TILE",
-           "tma_decode_device", "tma_decode_usable"]
+           "tma_decode_device", "tma_decode_usable", "FP8_TILE_M", "FP8_DECODE_MAX_ROWS",
+           "default_fp8_tile_m", "group_gemm_fp8_tile_m", "fp8_sm90_usable", "fp8_decode_runs"]
 
 TILE_M = _checks.TILE_M
 SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
@@ -69,6 +76,12 @@ TMA_TILE = 16        # tile_m value of the TMA decode kernel
 # always the fastest, at 32 to 64 rows the sm90 kernel always is (see
 # docs/performance.md).
 DECODE_MAX_ROWS = 8
+# group_gemm_fp8's tiles (8: the decode form; 64, 128: the Hopper kernel's
+# rows a tile) and the rows per expert (average) up to which its rule picks
+# the decode form (measured on the H200, docs/performance.md).
+FP8_TILE_M = _checks.FP8_TILE_M
+FP8_DECODE_MAX_ROWS = 2
+_FP8_DECODE_MAX_SMEM = 160 * 1024  # the decode form's shared memory cap (fp8_skinny.cuh)
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
 MODEL_SHAPES = {
@@ -152,6 +165,47 @@ def default_tile_m(m: int, experts: int, sm90: bool | None = None,
     return 128
 
 
+def default_fp8_tile_m(m: int, experts: int) -> int:
+    """group_gemm_fp8's rule when no table has the problem: the decode form
+    (8) up to FP8_DECODE_MAX_ROWS rows per expert on average, else 64-row
+    tiles while the experts average fewer than 128 rows (less of each
+    expert's last tile is wasted) and 128-row tiles beyond."""
+    experts = max(experts, 1)
+    if m <= FP8_DECODE_MAX_ROWS * experts:
+        return 8
+    return 64 if m < 128 * experts else 128
+
+
+def fp8_sm90_usable(n: int, k: int, dtype) -> bool:
+    """Where group_gemm_fp8's Hopper kernel runs: sm90_device(), bf16 x, N a
+    multiple of 8 and K of 16 (K > 0)."""
+    return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and n % 8 == 0 and k % 16 == 0
+            and k > 0 and sm90_device())
+
+
+def fp8_decode_runs(tile: int, experts: int, k: int) -> bool:
+    """Whether tile_m = `tile` runs group_gemm_fp8's decode form on a CUDA
+    device (K a multiple of 16, its shared memory within the cap)."""
+    kb = -(-k // 128)
+    smem = 2 * (experts + 1) * 4 + 8 * kb * (128 + 4)
+    return tile == 8 and k > 0 and k % 16 == 0 and smem <= _FP8_DECODE_MAX_SMEM
+
+
+def group_gemm_fp8_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) -> int:
+    """tile_m for a group_gemm_fp8 of m rows, w (experts, n, k), x of
+    `dtype`: the caller's choice when given, else the entry of the table's
+    "group_gemm_fp8" section whose m is nearest (log scale), else
+    default_fp8_tile_m. Trace-time only."""
+    if tile_m is not None:
+        return _checks.fp8_tile_m(tile_m)
+    kind = _device_kind()
+    table = load_table(kind, "group_gemm_fp8") if kind else {}
+    entries = table.get(table_key(experts, n, k, dtype))
+    if entries and m > 0:
+        return int(min(entries, key=lambda e: abs(math.log2(max(e[0], 1)) - math.log2(m)))[1])
+    return default_fp8_tile_m(m, experts)
+
+
 def table_key(experts: int, n: int, k: int, dtype) -> str:
     return f"{jnp.dtype(dtype).name}/E{experts}/N{n}/K{k}"
 
@@ -169,8 +223,10 @@ def table_path(device_kind: str) -> pathlib.Path:
 
 
 @functools.cache
-def load_table(device_kind: str) -> dict:
-    """{key: [[m, tile_m], ...]} of the GPU model, or {} when there is none."""
+def load_table(device_kind: str, section: str = "group_gemm") -> dict:
+    """{key: [[m, tile_m], ...]} of the GPU model's table section
+    ("group_gemm", or "group_gemm_fp8" for the fp8 GEMM's keyed by x's dtype),
+    or {} when there is none."""
     path = table_path(device_kind)
     if not path.exists():
         return {}
@@ -179,12 +235,13 @@ def load_table(device_kind: str) -> dict:
     except ValueError as exc:  # not JSON
         raise ValueError(f"jax_moe tuning table {path} is not JSON ({exc}); regenerate it "
                          "with `python -m jax_moe.tune` or remove it") from None
-    return _checked_table(data, path)
+    return _checked_table(data, path, section)
 
 
-def _checked_table(data, path) -> dict:
-    """data["group_gemm"], each of its entries checked whole: a malformed
-    table is an error naming the file and the key, never a tile read wrongly."""
+def _checked_table(data, path, section: str = "group_gemm") -> dict:
+    """data[section], each of its entries checked whole: a malformed
+    table is an error naming the file and the key, never a tile read wrongly.
+    "group_gemm" must be there; "group_gemm_fp8" may be absent ({})."""
     def bad(where: str, what: str):
         return ValueError(f"jax_moe tuning table {path}: {where} {what}; regenerate it with "
                           "`python -m jax_moe.tune` or remove it")
@@ -194,19 +251,23 @@ def _checked_table(data, path) -> dict:
 
     if not isinstance(data, dict) or not isinstance(data.get("group_gemm"), dict):
         raise bad('"group_gemm"', "must be an object of {key: [[m, tile_m], ...]}")
-    table = data["group_gemm"]
+    if section == "group_gemm_fp8" and section not in data:
+        return {}
+    table, tiles = data[section], FP8_TILE_M if section == "group_gemm_fp8" else TILE_M
+    if not isinstance(table, dict):
+        raise bad(f'"{section}"', "must be an object of {key: [[m, tile_m], ...]}")
     for key, entries in table.items():
         if not isinstance(entries, list) or not entries:
-            raise bad(f"group_gemm[{key!r}]", "must be a non-empty list of [m, tile_m] pairs")
+            raise bad(f"{section}[{key!r}]", "must be a non-empty list of [m, tile_m] pairs")
         for i, entry in enumerate(entries):
-            where = f"group_gemm[{key!r}][{i}]"
+            where = f"{section}[{key!r}][{i}]"
             if not isinstance(entry, list) or len(entry) != 2:
                 raise bad(where, f"must be a pair [m, tile_m], got {entry!r}")
             m, tile = entry
             if not is_int(m) or m < 1:
                 raise bad(where, f"has m={m!r}; it must be an integer >= 1")
-            if not is_int(tile) or tile not in TILE_M:
-                raise bad(where, f"has tile_m={tile!r}; it must be one of {TILE_M}")
+            if not is_int(tile) or tile not in tiles:
+                raise bad(where, f"has tile_m={tile!r}; it must be one of {tiles}")
     return table
 
 

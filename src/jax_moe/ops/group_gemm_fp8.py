@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_moe import _checks, tuning
 from jax_moe._ffi import _ext
@@ -11,7 +12,7 @@ from jax_moe._int32 import index_int32
 from jax_moe.ops._common import sds
 
 
-def group_gemm_fp8(x, w, w_scale, expert_sizes):
+def group_gemm_fp8(x, w, w_scale, expert_sizes, *, tile_m: int | None = None):
     """group_gemm with block-scaled fp8 weights, the DeepSeek-V3 recipe (the
     twin: reference.group_gemm_fp8): w (E, N, K) float8_e4m3fn with one f32
     scale per 128 x 128 block, w_scale (E, ceil(N/128), ceil(K/128)) (the
@@ -23,28 +24,31 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes):
     past sum(expert_sizes) are zero. A block scale or input holding NaN or
     infinity makes NaN of the outputs it reaches, and no others.
 
-    Kernels: the CPU one; on CUDA, with at most 2 rows an expert on average
-    and K a multiple of 16, a decode kernel (the weights streamed once into
-    tensor cores); else for bf16 x on Hopper (N a multiple of 8, K of 16),
-    CUTLASS's blockwise-scaled fp8 grouped GEMM (x quantised into the
-    scratch output first); else a portable SIMT kernel. Not differentiable
-    (fp8 weights are for inference)."""
-    _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes)
-    return _group_gemm_fp8(x, w, w_scale, expert_sizes)
+    Kernels, by tile_m (None: the GPU model's tuning table, else
+    jax_moe.tuning.default_fp8_tile_m): on CUDA, 8 is a decode kernel (the
+    weights streamed once into tensor cores; K a multiple of 16), 64 and 128
+    CUTLASS's blockwise-scaled fp8 grouped GEMM in tiles of that many rows on
+    Hopper for bf16 x (N a multiple of 8, K of 16; x quantised into the
+    scratch output first). Where the chosen kernel does not apply, CUTLASS's
+    with its own tile rule, then a portable SIMT kernel. The CPU has one
+    kernel. Not differentiable (fp8 weights are for inference)."""
+    tile = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m)
+    return _group_gemm_fp8(x, w, w_scale, expert_sizes, tile)
 
 
-def _group_gemm_fp8(x, w, w_scale, expert_sizes):
-    """group_gemm_fp8 on checked arguments."""
+def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None):
+    """group_gemm_fp8 on checked arguments (tile_m None: tuned)."""
     m, k = x.shape
     experts, n = w.shape[:2]
+    tile = tuning.group_gemm_fp8_tile_m(m, experts, n, k, x.dtype, tile_m)
     # The Hopper path's group arrays, workspace and quantised x live in a
     # second output (a fixed address in a recorded CUDA graph, as
     # group_gemm's); empty wherever that kernel will not run.
-    sm90 = (m > 0 and experts > 0 and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
-            and n % 8 == 0 and k % 16 == 0 and tuning.sm90_device())
+    sm90 = (m > 0 and experts > 0 and not tuning.fp8_decode_runs(tile, experts, k)
+            and tuning.fp8_sm90_usable(n, k, x.dtype))
     scratch = _ext.group_gemm_fp8_sm90_scratch_bytes(m, n, k, experts) if sm90 else 0
     call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8",
                             (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
                             vmap_method="sequential")
-    out, _ = call(x, w, w_scale, index_int32(expert_sizes))
+    out, _ = call(x, w, w_scale, index_int32(expert_sizes), tile_m=np.int64(tile))
     return out

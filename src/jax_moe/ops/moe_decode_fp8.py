@@ -40,6 +40,6 @@ def _moe_decode_fp8(hidden_states, topk_weights, topk_ids, w13, w13_scale, w2, w
          sds((k, hidden), jnp.float32)),  # out, act and y scratch
         vmap_method="sequential")
     out, _, _ = call(hidden_states, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32),
-                     w13, w13_scale, w2, w2_scale, activation=np.int64(_checks.ACTIVATIONS[activation]),
-                     gated=bool(is_gated))
+                     w13, w13_scale, w2, w2_scale,
+                     activation=np.int64(_checks.ACTIVATIONS[activation]), gated=bool(is_gated))
     return out

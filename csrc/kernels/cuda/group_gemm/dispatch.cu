@@ -203,12 +203,13 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
 cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
                                      const uint8_t* w, const float* w_scale,
                                      const int32_t* sizes, void* out, const GemmDims& d,
-                                     bool* ran) {
+                                     bool any_rows, bool* ran) {
   *ran = false;
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   const int64_t smem = Fp8SkinnySmem(d.groups, d.k);
   const int64_t smem_cap = std::min<int64_t>(kFp8SkinnyMaxSmem, DeviceSmemOptin());
-  if (d.m <= 0 || d.n <= 0 || d.groups <= 0 || d.m > kFp8SkinnyMaxAvgRows * d.groups ||
+  if (d.m <= 0 || d.n <= 0 || d.groups <= 0 ||
+      (!any_rows && d.m > kFp8SkinnyMaxAvgRows * d.groups) ||
       d.k <= 0 || d.k % 16 != 0 || !aligned(x) || !aligned(w) || smem > smem_cap)
     return cudaSuccess;
   *ran = true;  // from here on, the call is ours (errors are reported, not retried)

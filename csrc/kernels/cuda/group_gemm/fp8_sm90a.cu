@@ -1,7 +1,8 @@
 // The Hopper fp8 grouped GEMMs the library runs (fp8_sm90a.cuh): 128 x 128 x
-// 128 cooperative tiles, or 64 x 128 x 128 ping-pong tiles where the experts
-// average fewer than 128 rows (less of each expert's last tile wasted, two
-// tiles an SM in flight); one CTA a cluster.
+// 128 cooperative tiles, or 64 x 128 x 128 ping-pong tiles (less of each
+// expert's last tile wasted, two tiles an SM in flight), by the call's
+// tile_m or, without one, where the experts average fewer than 128 rows;
+// one CTA a cluster.
 #include "kernels/cuda/group_gemm/fp8_sm90a.cuh"
 
 namespace jax_moe {
@@ -10,7 +11,8 @@ using Fp8Wide = Fp8Gemm<128, 1, false>;
 using Fp8Narrow = Fp8Gemm<64, 1, true>;
 
 cudaError_t GroupGemmFp8Sm90(const Sm90Fp8Call& c, bool* ran) {
-  if (c.m < 128 * c.groups) return RunFp8<Fp8Narrow>(c, ran);
+  const bool narrow = c.tile_m == 0 ? c.m < 128 * c.groups : c.tile_m == 64;
+  if (narrow) return RunFp8<Fp8Narrow>(c, ran);
   return RunFp8<Fp8Wide>(c, ran);
 }
 

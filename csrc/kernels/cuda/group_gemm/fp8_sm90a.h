@@ -22,6 +22,7 @@ struct Sm90Fp8Call {
   int64_t m, n, k, groups;
   void* scratch;          // the call's scratch output (device)
   size_t scratch_bytes;
+  int tile_m;             // 64 or 128 rows a tile; 0: 64 where m < 128 * groups
 };
 
 // Runs `c` on CUTLASS's sm90 blockwise-scaled fp8 grouped GEMM when it

@@ -44,10 +44,12 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
 // ceil(K/128) * 132 bytes) within the device's opt-in limit and 160 KB.
 // Sets *ran when it takes the call (and returns the launch's error);
 // otherwise launches nothing and the caller runs another kernel.
+// With `any_rows` it takes the call whatever the rows per expert (a
+// caller's explicit choice of the decode form).
 cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
                                      const uint8_t* w, const float* w_scale,
                                      const int32_t* sizes, void* out, const GemmDims& d,
-                                     bool* ran);
+                                     bool any_rows, bool* ran);
 
 // Whether the current device runs programmatic dependent launch (compute
 // capability 9.0+), for a caller that chains LaunchGroupGemmFor with other
