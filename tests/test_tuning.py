@@ -284,3 +284,37 @@ def test_tune_runs_every_fp8_call(rng):
     sizes = jnp.asarray([[4, 4, 4, 4], [16, 0, 0, 0]], jnp.int32)
     hlo = tune.gemm_loop(64, 6, fp8_weights=True).lower(x, w, sizes).compile().as_text()
     assert hlo.count('custom_call_target="jax_moe_group_gemm_fp8"') == 6
+
+
+@pytest.mark.parametrize("fp8_mode", [False, True], ids=["bf16", "fp8"])
+def test_tune_loop_writes_a_checked_section(monkeypatch, tmp_path, fp8_mode):
+    # The timing loop on a tiny shape (any backend: on the CPU every tile is
+    # the one CPU kernel): one entry per token count, tiles the section allows,
+    # and a section that passes the table check.
+    import argparse
+    from jax_moe import tune
+    monkeypatch.setattr(tune, "SHAPES", {"tiny": (64, 32, 8, 2)})
+    args = argparse.Namespace(shapes=["tiny"], tokens=[1, 16], dtype="bfloat16", calls=2,
+                              repeats=1, tiles=None, fp8=fp8_mode)
+    section, table, timings = (tune._tune_fp8 if fp8_mode else tune._tune_bf16)(args)
+    assert section == ("group_gemm_fp8" if fp8_mode else "group_gemm")
+    assert set(table) == {tuning.table_key(8, 64, 64, jnp.bfloat16),
+                          tuning.table_key(8, 64, 32, jnp.bfloat16)}
+    for key, entries in table.items():
+        assert [m for m, _ in entries] == [2, 32] and set(timings[key]) == {2, 32}
+    data = {"group_gemm": table} if not fp8_mode else {"group_gemm": {"k": [[1, 8]]},
+                                                       section: table}
+    assert tuning._checked_table(data, tmp_path / "t.json", section) == table
+
+
+def test_a_table_of_one_section(tmp_path, monkeypatch):
+    # `tune --fp8` into a new file writes only the fp8 section: the other
+    # GEMM then has no entries (the rule), the fp8 section is read.
+    key = tuning.table_key(16, 96, 64, jnp.bfloat16)
+    _install_table(tmp_path, monkeypatch, {"group_gemm_fp8": {key: [[16, 128]]}})
+    try:
+        assert tuning.load_table("Fake GPU 9000") == {}
+        assert tuning.load_table("Fake GPU 9000", "group_gemm_fp8") == {key: [[16, 128]]}
+        assert tuning.group_gemm_fp8_tile_m(16, 16, 96, 64, jnp.bfloat16) == 128
+    finally:
+        tuning.load_table.cache_clear()

@@ -116,13 +116,13 @@ def ids_in_range(topk_ids, num_experts: int) -> None:
             )
 
 
-def tile_m(value) -> int | None:
-    """group_gemm's tile_m: None (tuned) or one of TILE_M."""
+def tile_m(value, allowed: tuple = TILE_M) -> int | None:
+    """group_gemm's tile_m: None (tuned) or one of `allowed`."""
     if value is None:
         return None
     v = static_int(value, "tile_m")
-    if v not in TILE_M:
-        raise ValueError(f"tile_m must be None or one of {TILE_M}, got {value!r}")
+    if v not in allowed:
+        raise ValueError(f"tile_m must be None or one of {allowed}, got {value!r}")
     return v
 
 
@@ -249,12 +249,7 @@ def group_gemm_args(x, w, expert_sizes, tile) -> int | None:
 
 def fp8_tile_m(value) -> int | None:
     """group_gemm_fp8's tile_m: None (tuned) or one of FP8_TILE_M."""
-    if value is None:
-        return None
-    v = static_int(value, "tile_m")
-    if v not in FP8_TILE_M:
-        raise ValueError(f"tile_m must be None or one of {FP8_TILE_M}, got {value!r}")
-    return v
+    return tile_m(value, FP8_TILE_M)
 
 
 def group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile=None) -> int | None:

@@ -127,83 +127,73 @@ def _tune_bf16(args):
     """("group_gemm", table, timings) for group_gemm."""
     dtype = jnp.dtype(args.dtype)
     all_tiles = args.tiles or list(tuning.TILE_M)
-    table, timings = {}, {}
-    key = jax.random.PRNGKey(0)
-    for name in args.shapes:
-        h, i, e, k = SHAPES[name]
-        for n, kk in ((2 * i, h), (h, i)):
-            key, kw, kx, kr = jax.random.split(key, 4)
-            w = (jax.random.normal(kw, (e, n, kk), jnp.float32) * kk**-0.5).astype(dtype)
-            tkey = tuning.table_key(e, n, kk, dtype)
-            sm90 = tuning.sm90_usable(n, kk, dtype)
-            tma = tuning.tma_decode_usable(kk, dtype)
-            entries, per_m = [], {}
-            for t in args.tokens:
-                m = t * k
-                x = jax.random.normal(kx, (m, kk), jnp.float32).astype(dtype)
-                sizes = _sizes(kr, t, e, k)
-                # The decode tiles re-read an expert's weights per 8 or 16
-                # rows: not candidates once experts average more than 32 rows.
-                # 256 only where the sm90 kernel runs (elsewhere it is 128
-                # again), 16 only where the TMA decode kernel can (elsewhere it
-                # is 8), and there not 8 (16 is the 8 kernel at the launches
-                # too small for it, and the lookup turns a table's 8 into 16).
-                tiles = [tl for tl in all_tiles
-                         if (tl not in (8, tuning.TMA_TILE) or m <= 32 * e)
-                         and (tl != tuning.SM90_TILE or sm90)
-                         and (tl != tuning.TMA_TILE or tma) and (tl != 8 or not tma)]
-                if not tiles:
-                    print(f"{name:16s} {tkey:28s} M={m:6d} no candidate tile", flush=True)
-                    continue
-                us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
-                      for tile in tiles}
-                best = best_tile(us, tuning.default_tile_m(m, e, sm90=sm90, tma=tma))
-                entries.append([m, best])
-                per_m[m] = us
-                print(f"{name:16s} {tkey:28s} M={m:6d} " +
-                      " ".join(f"{tile}:{v:9.1f}" for tile, v in us.items()) +
-                      f"  -> {best}", flush=True)
-                del x
-            table[tkey] = entries
-            timings[tkey] = per_m
-            del w
-    return "group_gemm", table, timings
+
+    def weights(w):
+        return w.astype(dtype)
+
+    def candidates(m, e, n, kk):
+        # The decode tiles re-read an expert's weights per 8 or 16 rows: not
+        # candidates once experts average more than 32 rows. 256 only where
+        # the sm90 kernel runs (elsewhere it is 128 again), 16 only where the
+        # TMA decode kernel can (elsewhere it is 8), and there not 8 (16 is the
+        # 8 kernel at the launches too small for it, and the lookup turns a
+        # table's 8 into 16).
+        sm90, tma = tuning.sm90_usable(n, kk, dtype), tuning.tma_decode_usable(kk, dtype)
+        tiles = [tl for tl in all_tiles
+                 if (tl not in (8, tuning.TMA_TILE) or m <= 32 * e)
+                 and (tl != tuning.SM90_TILE or sm90)
+                 and (tl != tuning.TMA_TILE or tma) and (tl != 8 or not tma)]
+        return tiles, tuning.default_tile_m(m, e, sm90=sm90, tma=tma)
+
+    return "group_gemm", *_tune(args, dtype, weights, candidates, "")
 
 
 def _tune_fp8(args):
     """("group_gemm_fp8", table, timings) for group_gemm_fp8, bf16 x."""
     dtype = jnp.dtype(jnp.bfloat16)
     all_tiles = args.tiles or list(tuning.FP8_TILE_M)
+
+    def candidates(m, e, n, kk):
+        # The decode form re-reads an expert's weights per 8 rows: not a
+        # candidate beyond 8 rows an expert; 64 and 128 only where the Hopper
+        # kernel runs (elsewhere both are the portable kernel).
+        sm90 = tuning.fp8_sm90_usable(n, kk, dtype)
+        tiles = [tl for tl in all_tiles
+                 if (tl == 8 and m <= 8 * e and tuning.fp8_decode_runs(8, e, kk))
+                 or (tl in (64, 128) and sm90)]
+        return tiles, tuning.default_fp8_tile_m(m, e)
+
+    return "group_gemm_fp8", *_tune(args, dtype, jax.jit(fp8.quantize_blocks), candidates,
+                                    "fp8 ")
+
+
+def _tune(args, dtype, weights, candidates, label):
+    """(table, timings) over both GEMMs of each shape and each token count:
+    weights(w f32) gives the GEMM's weights, candidates(m, E, N, K) the tiles
+    to time and the rule's choice."""
     table, timings = {}, {}
     key = jax.random.PRNGKey(0)
     for name in args.shapes:
         h, i, e, k = SHAPES[name]
         for n, kk in ((2 * i, h), (h, i)):
             key, kw, kx, kr = jax.random.split(key, 4)
-            w = jax.jit(fp8.quantize_blocks)(
-                jax.random.normal(kw, (e, n, kk), jnp.float32) * kk**-0.5)
+            w = weights(jax.random.normal(kw, (e, n, kk), jnp.float32) * kk**-0.5)
             tkey = tuning.table_key(e, n, kk, dtype)
-            sm90 = tuning.fp8_sm90_usable(n, kk, dtype)
             entries, per_m = [], {}
             for t in args.tokens:
                 m = t * k
+                tiles, rule = candidates(m, e, n, kk)
+                if not tiles:
+                    print(f"{name:16s} {label}{tkey:28s} M={m:6d} no candidate tile", flush=True)
+                    continue
                 x = jax.random.normal(kx, (m, kk), jnp.float32).astype(dtype)
                 sizes = _sizes(kr, t, e, k)
-                # The decode form re-reads an expert's weights per 8 rows: not a
-                # candidate beyond 8 rows an expert; 64 and 128 only where the
-                # Hopper kernel runs (elsewhere both are the portable kernel).
-                tiles = [tl for tl in all_tiles
-                         if (tl == 8 and m <= 8 * e and tuning.fp8_decode_runs(8, e, kk))
-                         or (tl != 8 and sm90)]
-                if not tiles:
-                    print(f"{name:16s} fp8 {tkey:28s} M={m:6d} no candidate tile", flush=True)
-                    continue
                 us = {tile: time_gemm(x, w, sizes, tile, args.calls, args.repeats)
                       for tile in tiles}
-                best = best_tile(us, tuning.default_fp8_tile_m(m, e))
+                best = best_tile(us, rule)
                 entries.append([m, best])
                 per_m[m] = us
-                print(f"{name:16s} fp8 {tkey:28s} M={m:6d} " +
+                print(f"{name:16s} {label}{tkey:28s} M={m:6d} " +
                       " ".join(f"{tile}:{v:9.1f}" for tile, v in us.items()) +
                       f"  -> {best}", flush=True)
                 del x
@@ -211,7 +201,7 @@ def _tune_fp8(args):
                 table[tkey] = entries
                 timings[tkey] = per_m
             del w
-    return "group_gemm_fp8", table, timings
+    return table, timings
 
 
 if __name__ == "__main__":

@@ -241,7 +241,8 @@ def load_table(device_kind: str, section: str = "group_gemm") -> dict:
 def _checked_table(data, path, section: str = "group_gemm") -> dict:
     """data[section], each of its entries checked whole: a malformed
     table is an error naming the file and the key, never a tile read wrongly.
-    "group_gemm" must be there; "group_gemm_fp8" may be absent ({})."""
+    The file holds "group_gemm", "group_gemm_fp8" or both; an absent section
+    is {}."""
     def bad(where: str, what: str):
         return ValueError(f"jax_moe tuning table {path}: {where} {what}; regenerate it with "
                           "`python -m jax_moe.tune` or remove it")
@@ -249,9 +250,10 @@ def _checked_table(data, path, section: str = "group_gemm") -> dict:
     def is_int(v):  # JSON ints only: no bools, no 8.5, no Infinity
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if not isinstance(data, dict) or not isinstance(data.get("group_gemm"), dict):
+    if not isinstance(data, dict) or not any(
+            isinstance(data.get(name), dict) for name in ("group_gemm", "group_gemm_fp8")):
         raise bad('"group_gemm"', "must be an object of {key: [[m, tile_m], ...]}")
-    if section == "group_gemm_fp8" and section not in data:
+    if section not in data:  # a table of the other GEMM only (tune --fp8 writes one)
         return {}
     table, tiles = data[section], FP8_TILE_M if section == "group_gemm_fp8" else TILE_M
     if not isinstance(table, dict):

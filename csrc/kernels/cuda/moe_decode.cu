@@ -364,17 +364,7 @@ cudaError_t LaunchDecode(cudaStream_t stream, const DecodeArgs& args, int grid, 
   constexpr auto kernel = MoeDecodeKernel<DT, KI>;
   // Opted in once per device, to the most any call can ask for.
   if (cudaError_t e = EnsureDynamicSmem<kernel>(max_smem); e != cudaSuccess) return e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;  // the grid barrier needs every block resident
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, args);
+  return LaunchCooperative(kernel, dim3(grid), dim3(kThreads), smem, stream, args);
 }
 
 }  // namespace

@@ -232,17 +232,8 @@ cudaError_t LaunchMoeDecodeFp8(cudaStream_t stream, DType dtype, const MoeDecode
     const int64_t grid = std::max<int64_t>(
         1, std::min<int64_t>((items + kWarps - 1) / kWarps,
                              static_cast<int64_t>(per_sm) * DeviceSms()));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(grid));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;  // the grid barriers need every block resident
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, p);
+    return LaunchCooperative(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads),
+                             static_cast<size_t>(smem), stream, p);
   };
   switch (dtype) {
     case DType::F32: return launch.template operator()<DType::F32>();

@@ -1,0 +1,106 @@
+"""Where a layer call's GPU time goes: each kernel's time per call from a
+jax.profiler trace of bench_moe's chained program.
+
+    python3 tools/kernel_times.py --shape mixtral_8x7b --tokens 128 [--fp8] [--calls 10]
+
+Runs bench_moe.make_loop's straight-line program of --calls dependent layer
+calls once to compile and warm up, then once under jax.profiler.trace, and
+prints every kernel on the GPU's streams: its time divided by the call count
+(µs; a kernel that starts while the one before it runs counts from that
+one's end), its launches per call, and its share of the busy time, largest
+first. Gaps between kernels are not in it (bench_moe measures the wall
+time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_moe  # noqa: E402
+
+from jax_moe import fp8  # noqa: E402
+
+
+def gpu_kernel_events(trace: dict) -> list:
+    """The complete ("X") events on the GPU processes' stream threads (the
+    trace's other GPU lines, XLA's modules and ops, span the same time)."""
+    meta = [e for e in trace.get("traceEvents", []) if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    streams = {(e["pid"], e.get("tid")) for e in meta if e.get("name") == "thread_name"
+               and e["pid"] in gpu_pids and "Stream" in str(e.get("args", {}).get("name", ""))}
+    return [e for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids
+            and (not streams or (e["pid"], e.get("tid")) in streams)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    shapes = {**bench_moe.SHAPES, **bench_moe.QUICK_SHAPES}
+    p.add_argument("--shape", required=True, choices=list(shapes))
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--fp8", action="store_true")
+    args = p.parse_args(argv)
+
+    h, i, e, k = shapes[args.shape]
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], (args.tokens, h), jnp.float32).astype(jnp.bfloat16)
+    logits = jax.random.normal(keys[1], (bench_moe.ROUTINGS, args.tokens, e), jnp.float32)
+    w13 = jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5
+    w2 = jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5
+    if args.fp8:
+        (w13, s13), (w2, s2) = jax.jit(fp8.quantize_blocks)(w13), jax.jit(fp8.quantize_blocks)(w2)
+        scales = (s13, s2)
+    else:
+        w13, w2, scales = w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), (None, None)
+    routing = bench_moe.ROUTING.get(args.shape, {})
+    bias = jnp.zeros((e,), jnp.float32) if routing else None
+    run = bench_moe.make_loop("ffi", k, args.calls, routing)
+    run(x, logits, w13, w2, bias, scales).block_until_ready()  # compile, warm up
+
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            run(x, logits, w13, w2, bias, scales).block_until_ready()
+        files = list(pathlib.Path(logdir).rglob("perfetto_trace.json.gz"))
+        if not files:
+            print("no perfetto trace was written", file=sys.stderr)
+            return 1
+        trace = json.loads(gzip.decompress(files[0].read_bytes()))
+    events = gpu_kernel_events(trace)
+    if not events:
+        print("the trace has no GPU kernels (no GPU, or no device tracing)", file=sys.stderr)
+        return 1
+    # A kernel launched early (programmatic dependent launch) waits inside
+    # the one before it: each kernel counts from where the stream's previous
+    # kernel ended, so that overlapping spans are counted once.
+    total, count = collections.Counter(), collections.Counter()
+    last_end = {}
+    for ev in sorted(events, key=lambda ev: float(ev["ts"])):
+        start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+        stream = (ev["pid"], ev.get("tid"))
+        total[ev["name"]] += max(0.0, end - max(start, last_end.get(stream, start)))
+        last_end[stream] = max(end, last_end.get(stream, end))
+        count[ev["name"]] += 1
+    whole = sum(total.values())
+    print(f"# {args.shape} T={args.tokens}{' fp8' if args.fp8 else ''}: {args.calls} calls, "
+          f"kernel time {whole / args.calls:.1f} µs a call")
+    for name, us in total.most_common():
+        print(f"{us / args.calls:10.1f} µs  {count[name] / args.calls:5.1f}x  "
+              f"{100 * us / whole:5.1f}%  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
