@@ -44,6 +44,22 @@ def gpu_kernel_events(trace: dict) -> list:
             and (not streams or (e["pid"], e.get("tid")) in streams)]
 
 
+def kernel_times(events) -> tuple:
+    """({kernel name: µs}, {kernel name: launches}) of the events. A kernel
+    launched early (programmatic dependent launch) waits inside the one
+    before it: each kernel counts from where its stream's previous kernel
+    ended, so that overlapping spans are counted once."""
+    total, count = collections.Counter(), collections.Counter()
+    last_end = {}
+    for ev in sorted(events, key=lambda ev: float(ev["ts"])):
+        start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+        stream = (ev["pid"], ev.get("tid"))
+        total[ev["name"]] += max(0.0, end - max(start, last_end.get(stream, start)))
+        last_end[stream] = max(end, last_end.get(stream, end))
+        count[ev["name"]] += 1
+    return total, count
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,17 +98,7 @@ def main(argv=None) -> int:
     if not events:
         print("the trace has no GPU kernels (no GPU, or no device tracing)", file=sys.stderr)
         return 1
-    # A kernel launched early (programmatic dependent launch) waits inside
-    # the one before it: each kernel counts from where the stream's previous
-    # kernel ended, so that overlapping spans are counted once.
-    total, count = collections.Counter(), collections.Counter()
-    last_end = {}
-    for ev in sorted(events, key=lambda ev: float(ev["ts"])):
-        start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
-        stream = (ev["pid"], ev.get("tid"))
-        total[ev["name"]] += max(0.0, end - max(start, last_end.get(stream, start)))
-        last_end[stream] = max(end, last_end.get(stream, end))
-        count[ev["name"]] += 1
+    total, count = kernel_times(events)
     whole = sum(total.values())
     print(f"# {args.shape} T={args.tokens}{' fp8' if args.fp8 else ''}: {args.calls} calls, "
           f"kernel time {whole / args.calls:.1f} µs a call")
