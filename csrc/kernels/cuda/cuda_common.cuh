@@ -331,23 +331,32 @@ __device__ __forceinline__ void PdlWait() {
 #endif
 }
 
+// Launches `kernel` on `stream` with the launch attribute `attr` (none when
+// null).
+template <typename... Params, typename... Args>
+cudaError_t LaunchWithAttribute(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, cudaLaunchAttribute* attr, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = attr != nullptr ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 // Launches `kernel` on `stream`; with `pdl`, with programmatic stream
 // serialisation: it may start while the stream's previous kernel runs (its
 // PdlWait waits for that kernel's completion and writes).
 template <typename... Params, typename... Args>
 cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                          cudaStream_t stream, bool pdl, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl ? &attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return LaunchWithAttribute(kernel, grid, block, smem, stream, pdl ? &attr : nullptr,
+                             std::forward<Args>(args)...);
 }
 
 // Launches `kernel` on `stream` as a cooperative grid: every block resident
@@ -355,17 +364,11 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 template <typename... Params, typename... Args>
 cudaError_t LaunchCooperative(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                               cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeCooperative;
   attr.val.cooperative = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return LaunchWithAttribute(kernel, grid, block, smem, stream, &attr,
+                             std::forward<Args>(args)...);
 }
 
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
