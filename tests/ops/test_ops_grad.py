@@ -12,6 +12,8 @@ import pytest
 from common import (DTYPE_IDS, FLOAT_DTYPES, assert_equal, gather_rows, gemm_inputs, mlp_weights,
                     normal, random_ids, rel_err)
 from jax_moe import ops, reference
+from jax_moe.ops.expert_mlp import _keeps_rows, expert_mlp_vjp
+from jax_moe.ops.group_gemm import _group_gemm_call
 
 GRAD_TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2,
             jnp.dtype(jnp.float16): 4e-3}
@@ -100,6 +102,42 @@ def test_expert_mlp_grad(rng, activation, gated, dtype):
                                     is_gated=gated)
 
     compare(op, twin, (x, w13, w2, sizes, rows), (0, 1, 2), ct, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_expert_mlp_grad_with_kept_rows(rng, dtype):
+    """Where w13's GEMM is the sm90 kernel's tile (256; 16-bit types), the
+    forward expands the rows itself and keeps them for w13's weight
+    gradient: the gradients match the twin's and have the bits of the path
+    that gathers them again."""
+    tokens, topk, experts, hidden, inter = 30, 2, 6, 40, 16
+    rows, sizes = gather_rows(rng, tokens, topk, experts)
+    rows = jnp.asarray(rows).at[3].set(-1)  # a dropped slot: a zero row
+    x = normal(rng, (tokens, hidden), dtype)
+    w13, w2 = mlp_weights(rng, experts, hidden, inter, dtype, True)
+    ct = normal(rng, (rows.shape[0], hidden), dtype)
+    tiles = (256, 256)
+    assert _keeps_rows(rows.shape[0], x, w13, tiles, False)
+    assert not _keeps_rows(rows.shape[0], x, w13, tiles, True)  # remat keeps memory down
+    assert not _keeps_rows(rows.shape[0], x.astype(jnp.float32), w13, tiles, False)
+
+    def op(x, w13, w2, sizes, rows):
+        return ops.expert_mlp(x, w13, w2, sizes, rows, topk, tile_m=tiles)
+
+    def twin(x, w13, w2, sizes, rows):
+        return reference.expert_mlp(x, w13, w2, sizes, rows, topk)
+
+    got = compare(op, twin, (x, w13, w2, sizes, rows), (0, 1, 2), ct, dtype)
+    assert "jax_moe_expand" in jax.jit(jax.grad(
+        lambda x: op(x, w13, w2, sizes, rows).astype(jnp.float32).sum())).lower(x).as_text()
+
+    @jax.jit
+    def gathering(x, w13, w2, sizes, rows, ct):
+        h = _group_gemm_call(x, w13, sizes, rows, topk, tiles[0])
+        return expert_mlp_vjp(x, w13, w2, sizes, rows, None, topk, "silu", True, h, ct)
+
+    for name, a, b in zip(("x", "w13", "w2"), got, gathering(x, w13, w2, sizes, rows, ct)):
+        assert_equal(a, b, f"d{name}")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)

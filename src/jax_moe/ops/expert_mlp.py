@@ -10,6 +10,7 @@ import numpy as np
 from jax_moe import _checks, tuning
 from jax_moe.ops._common import gemm_tile, sds
 from jax_moe.ops.activation import _activation_call, activation_vjp
+from jax_moe.ops.expand import _expand_call, gather_transpose
 from jax_moe.ops.group_gemm import _group_gemm_call, group_gemm_vjp
 from jax_moe._int32 import index_int32
 
@@ -57,34 +58,62 @@ def _expert_mlp_diff(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activa
                             tiles)[0]
 
 
+def _keeps_rows(m: int, x, w13, tiles, remat: bool) -> bool:
+    """Whether the training forward expands the rows itself and keeps them
+    for the w13 weight gradient: where w13's GEMM is the sm90 kernel, which
+    cannot gather rows in its loads and copies them first anyway (so the
+    forward does the same work, and the backward's weight gradient no longer
+    copies them again). Not under remat, which keeps memory down instead
+    (the rows are T*k x H)."""
+    t1 = gemm_tile(m, w13.shape, x.dtype, tiles[0])
+    return (not remat and t1 == tuning.SM90_TILE
+            and tuning.sm90_shape_ok(w13.shape[1], w13.shape[2], x.dtype))
+
+
 def _expert_mlp_fwd(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation, is_gated,
                     tiles, remat):
-    out, h = _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
-                              tiles)
-    return out, (x, w13, w2, expert_sizes, dst_to_src, src_to_dst, None if remat else h)
+    m = dst_to_src.shape[0]
+    if _keeps_rows(m, x, w13, tiles, remat):
+        # The separate calls of _expert_mlp_call's sm90 branch, on rows expanded here.
+        t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tiles)
+        xe = _expand_call(x, dst_to_src, k)
+        h = _group_gemm_call(xe, w13, expert_sizes, None, 1, t1)
+        a = _activation_call(h, activation, is_gated)
+        out = _group_gemm_call(a, w2, expert_sizes, None, 1, t2)
+    else:
+        xe = None
+        out, h = _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
+                                  tiles)
+    return out, (x, xe, w13, w2, expert_sizes, dst_to_src, src_to_dst, None if remat else h)
 
 
 def _expert_mlp_bwd(k, activation, is_gated, tiles, remat, res, g):
-    x, w13, w2, expert_sizes, dst_to_src, src_to_dst, h = res
+    x, xe, w13, w2, expert_sizes, dst_to_src, src_to_dst, h = res
     return expert_mlp_vjp(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation,
-                          is_gated, h, g) + (None, None, None)
+                          is_gated, h, g, xe, tiles[0]) + (None, None, None)
 
 
 _expert_mlp_diff.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
 
 
 def expert_mlp_vjp(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k: int, activation: str,
-                   is_gated: bool, h, g):
+                   is_gated: bool, h, g, xe=None, tile1=None):
     """(dx, dw13, dw2) of expert_mlp for the output cotangent g (M, H); h: the
-    forward's w13 GEMM output, or None to recompute it. The activation is
+    forward's w13 GEMM output, or None to recompute it (with w13's tile_m
+    tile1, as the forward); xe: the forward's expanded rows of x
+    (moe_expand_input), or None to gather them again. The activation is
     recomputed from h (the same kernel, so the same bits as the forward);
     its backward, and every GEMM, runs on the kernels."""
     if h is None:
-        h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, None)
+        h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, tile1)
     a = _activation_call(h, activation, is_gated)
     da, dw2 = group_gemm_vjp(a, w2, expert_sizes, None, 1, g)
     dh = activation_vjp(h, da, activation, is_gated)
-    dx, dw13 = group_gemm_vjp(x, w13, expert_sizes, dst_to_src, k, dh, src_to_dst)
+    if xe is None:
+        dx, dw13 = group_gemm_vjp(x, w13, expert_sizes, dst_to_src, k, dh, src_to_dst)
+    else:
+        dxe, dw13 = group_gemm_vjp(xe, w13, expert_sizes, None, 1, dh)
+        dx = gather_transpose(dxe, dst_to_src, k, x.shape[0], src_to_dst)
     return dx, dw13, dw2
 
 

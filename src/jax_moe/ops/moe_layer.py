@@ -70,7 +70,8 @@ def routed_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
     only the experts [start_expert, start_expert + num_local_experts) of w13
     and w2 (which then hold only those) are computed and the other slots
     count zero. What the backward keeps: the token index, the w13 GEMM's
-    output (unless spec.remat) and the expert outputs, T*k rows each."""
+    output (unless spec.remat) and the expert outputs, T*k rows each, and
+    the expanded rows where expert_mlp's forward keeps them (_keeps_rows)."""
     r = spec.routing
     experts = router_logits.shape[-1]
     local = experts if num_local_experts is None else num_local_experts
