@@ -82,7 +82,13 @@ using WgradEpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingp
 #else
 using WgradTile = Shape<_128, _256, _64>;
 using WgradMainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+#ifdef JAX_MOE_WGRAD_NO_SMEM_EPILOGUE
+// Benchmark-only: each consumer thread stores its accumulators straight to
+// global memory (no shared-memory staging, no TMA store to wait for).
+using WgradEpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+#else
 using WgradEpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+#endif
 #endif
 
 // The epilogue's subtile: 128x64, each tile's 64 KB of gradient stored in
@@ -148,7 +154,11 @@ struct WgradGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       WgradEpilogueTile, float, float, void, LayoutD*, kAlignment,  // no C: D = alpha * acc
       Element, LayoutD*, kAlignment, WgradEpilogueSchedule,
+#ifdef JAX_MOE_WGRAD_NO_SMEM_EPILOGUE
+      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+#else
       cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+#endif
 #ifdef JAX_MOE_WGRAD_STAGES_D
   using Epilogue = typename EpilogueWithStagesD<BuiltEpilogue>::type;
 #else
@@ -326,8 +336,17 @@ cudaError_t RunWgrad(const Sm90WgradCall& c, int dev, int sms, bool* ran) {
       gather ? static_cast<const void*>(base + l.expand) : c.x);
 
   typename G::Gemm gemm;
+#ifdef JAX_MOE_WGRAD_RASTER_N
+  // Benchmark-only: tiles handed out along N, so that the CTAs running at
+  // once write whole rows of out[e] rather than columns of tiles.
+  const auto raster = [](typename G::Gemm::Arguments& args) {
+    args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongN;
+  };
+#else
+  const auto raster = [](typename G::Gemm::Arguments&) {};
+#endif
   if (!InitGrouped(gemm, c.groups, shapes, ptr_a, stride_a, ptr_b, stride_b, ptr_d, stride_d, dev,
-                   sms, base + l.workspace, l.expand - l.workspace, c.stream))
+                   sms, base + l.workspace, l.expand - l.workspace, c.stream, raster))
     return cudaSuccess;
 
   const int n = static_cast<int>(c.n), k = static_cast<int>(c.k);
