@@ -34,6 +34,12 @@ template <> struct DevScalar<DType::F16> {
   __device__ static __half Store(float v) { return __float2half_rn(v); }
 };
 
+// An f32 rounded to DT and back: the step-by-step chain's rounding points.
+template <DType DT>
+__device__ __forceinline__ float Round(float v) {
+  return DevScalar<DT>::Load(DevScalar<DT>::Store(v));
+}
+
 // The elements of a 16-byte vector of DT (4 f32 or 8 bf16/f16) as f32.
 template <DType DT>
 __device__ __forceinline__ void Unpack(const uint4& raw,

@@ -277,9 +277,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
       u += c < hchunks ? du : 0.f;
     }
     WarpSum2(g, u, lane);
-    g = DevScalar<DT>::Load(DevScalar<DT>::Store(g));  // h is rounded there too
-    u = DevScalar<DT>::Load(DevScalar<DT>::Store(u));
-    if (lane == 0) a.act[p] = DevScalar<DT>::Load(DevScalar<DT>::Store(g / (1.f + expf(-g)) * u));
+    g = Round<DT>(g);  // h is rounded there too
+    u = Round<DT>(u);
+    if (lane == 0) a.act[p] = Round<DT>(g / (1.f + expf(-g)) * u);
   }
 
   if (warp == 0) RouteWeights(a, lg, ids, wts);  // read in the combine, past the barrier
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeDecodeKernel(DecodeArgs a) {
         const float v = WarpSum4(s, lane);  // column col0 + t * wps in lane 8 * t
         const int col = col0 + (lane / 8) * wps;
         if (lane % 8 == 0 && col < n)
-          ys[col * k + j] = DevScalar<DT>::Load(DevScalar<DT>::Store(v));
+          ys[col * k + j] = Round<DT>(v);
       }
     }
     DECODE_STAMP(5);

@@ -43,11 +43,6 @@ __device__ __forceinline__ float ActOf(int64_t act, float g) {
   return Act<kSilu>(g);
 }
 
-template <DType DT>
-__device__ __forceinline__ float Round(float v) {
-  return DevScalar<DT>::Load(DevScalar<DT>::Store(v));
-}
-
 // A warp item's two weight rows, lo and hi (rows g and g + 8 of the mma's
 // 16; lane (g, q)), each with its own scale row, and whether each is real.
 struct WarpJob {

@@ -30,6 +30,7 @@
 
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/fp8_simt.cuh"
 
@@ -67,32 +68,25 @@ __global__ void __launch_bounds__(kFp8SkinnyThreads)
   int32_t* row_start = reinterpret_cast<int32_t*>(sx + kFp8SkinnyRows * kb);  // S[0..E]
   int32_t* pass0 = row_start + groups + 1;                                     // Q[0..E]
 
-  // The schedule: S[e] = min(rows before e, m), Q[e] = passes before e.
+  // The schedule: S[e] = min(rows before e, m) (ForEachExpertRows),
+  // Q[e] = passes before e (a second scan of each pass).
   using Scan = cub::BlockScan<int64_t, kFp8SkinnyThreads>;
   __shared__ typename Scan::TempStorage scan;
-  int64_t carry = 0, pass_carry = 0;
-  for (int64_t base = 0; base < groups; base += kFp8SkinnyThreads) {
-    const int64_t e = base + threadIdx.x;
-    const int32_t s = e < groups ? sizes[e] : 0;
-    const int64_t count = s > 0 ? s : 0;
-    int64_t incl, total;
-    Scan(scan).InclusiveSum(count, incl, total);
-    const int64_t lo = carry + incl - count < m ? carry + incl - count : m;
-    const int64_t hi = carry + incl < m ? carry + incl : m;
-    const int64_t passes = e < groups ? (hi - lo + kFp8SkinnyRows - 1) / kFp8SkinnyRows : 0;
-    int64_t pass_excl, pass_total;
-    __syncthreads();  // `scan` is reused
-    Scan(scan).ExclusiveSum(passes, pass_excl, pass_total);
-    if (e < groups) {
-      row_start[e] = static_cast<int32_t>(lo);
-      pass0[e] = static_cast<int32_t>(pass_carry + pass_excl);
-    }
-    carry = carry + total < m ? carry + total : m;  // exact: min(min(a, m) + b, m)
-    pass_carry += pass_total;
-    __syncthreads();
-  }
+  int64_t pass_carry = 0;
+  const int64_t rows_total = ForEachExpertRows<kFp8SkinnyThreads>(
+      sizes, groups, m, scan, [&](int64_t e, int64_t lo, int64_t hi) {
+        const int64_t passes = e < groups ? (hi - lo + kFp8SkinnyRows - 1) / kFp8SkinnyRows : 0;
+        int64_t pass_excl, pass_total;
+        __syncthreads();  // `scan` is reused
+        Scan(scan).ExclusiveSum(passes, pass_excl, pass_total);
+        if (e < groups) {
+          row_start[e] = static_cast<int32_t>(lo);
+          pass0[e] = static_cast<int32_t>(pass_carry + pass_excl);
+        }
+        pass_carry += pass_total;
+      });
   if (threadIdx.x == 0) {
-    row_start[groups] = static_cast<int32_t>(carry);
+    row_start[groups] = static_cast<int32_t>(rows_total);
     pass0[groups] = static_cast<int32_t>(pass_carry);
   }
   __syncthreads();

@@ -22,26 +22,13 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
 
 #include "kernels/common/fp8_e4m3.h"
+#include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/fp8_sm90a.h"
 #include "kernels/cuda/group_gemm/sm90_common.cuh"
-
-#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
-#error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
-#endif
 
 namespace jax_moe {
 namespace {
@@ -51,8 +38,6 @@ using namespace cute;
 constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 256;
 
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 using Element = cutlass::float_e4m3_t;
 using ElementD = cutlass::bfloat16_t;
 using LayoutA = cutlass::layout::RowMajor;     // x quantised (M, K)
@@ -144,9 +129,10 @@ ScratchLayout MakeLayout(int64_t m, int64_t n, int64_t k, int64_t groups,
 }
 
 // One block: expert e gets rows [min(P_e, M), min(P_{e+1}, M)) (P: the prefix
-// sum of max(size, 0)), as every grouped GEMM here; row0[e] is its first row,
-// row0[groups] = min(P_E, M) the first row past the groups. Its x scales are
-// the (k blocks, rows) M-major block at sxa + row0[e] * k blocks.
+// sum of max(size, 0); ForEachExpertRows), as every grouped GEMM here;
+// row0[e] is its first row, row0[groups] = min(P_E, M) the first row past the
+// groups. Its x scales are the (k blocks, rows) M-major block at
+// sxa + row0[e] * k blocks.
 __global__ void __launch_bounds__(kSetupThreads)
     Fp8SetupKernel(const int32_t* __restrict__ sizes, int64_t groups, int64_t m, int n, int k,
                    const Element* xq, const float* sxa, const Element* w, const float* swt,
@@ -155,38 +141,27 @@ __global__ void __launch_bounds__(kSetupThreads)
                    InternalStrideA* stride_a, InternalStrideB* stride_b,
                    InternalStrideD* stride_d, LayoutSFA* layout_sfa, LayoutSFB* layout_sfb,
                    int64_t* row0) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan;
+  __shared__ typename cub::BlockScan<int64_t, kSetupThreads>::TempStorage scan;
   const int kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
-  int64_t carry = 0;
-  for (int64_t base = 0; base < groups; base += kSetupThreads) {
-    const int64_t e = base + threadIdx.x;
-    const int32_t s = e < groups ? sizes[e] : 0;
-    const int64_t count = s > 0 ? s : 0;
-    int64_t incl, pass_total;
-    Scan(scan).InclusiveSum(count, incl, pass_total);
-    if (e < groups) {
-      const int64_t hi = carry + incl;
-      const int64_t start = hi - count < m ? hi - count : m;
-      const int64_t end = hi < m ? hi : m;
-      const int rows = static_cast<int>(end - start);
-      shapes[e] = ShapeMNK(rows, n, k);
-      ptr_a[e] = xq + start * k;
-      ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
-      ptr_sfa[e] = sxa + start * kb;
-      ptr_sfb[e] = swt + e * static_cast<int64_t>(nb) * kb;
-      ptr_d[e] = d + start * n;
-      stride_a[e] = cutlass::make_cute_packed_stride(InternalStrideA{}, {rows, k, 1});
-      stride_b[e] = cutlass::make_cute_packed_stride(InternalStrideB{}, {n, k, 1});
-      stride_d[e] = cutlass::make_cute_packed_stride(InternalStrideD{}, {rows, n, 1});
-      row0[e] = start;
-      layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, 1));
-      layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
-    }
-    carry = carry + pass_total < m ? carry + pass_total : m;
-    __syncthreads();  // `scan` is reused by the next pass
-  }
-  if (threadIdx.x == 0) row0[groups] = carry;
+  const int64_t rows_total = ForEachExpertRows<kSetupThreads>(
+      sizes, groups, m, scan, [&](int64_t e, int64_t start, int64_t end) {
+        if (e < groups) {
+          const int rows = static_cast<int>(end - start);
+          shapes[e] = ShapeMNK(rows, n, k);
+          ptr_a[e] = xq + start * k;
+          ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
+          ptr_sfa[e] = sxa + start * kb;
+          ptr_sfb[e] = swt + e * static_cast<int64_t>(nb) * kb;
+          ptr_d[e] = d + start * n;
+          stride_a[e] = cutlass::make_cute_packed_stride(InternalStrideA{}, {rows, k, 1});
+          stride_b[e] = cutlass::make_cute_packed_stride(InternalStrideB{}, {n, k, 1});
+          stride_d[e] = cutlass::make_cute_packed_stride(InternalStrideD{}, {rows, n, 1});
+          row0[e] = start;
+          layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, 1));
+          layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
+        }
+      });
+  if (threadIdx.x == 0) row0[groups] = rows_total;
 }
 
 // One warp a row (grid-stride over the rows in the groups): lane l takes 8
@@ -314,10 +289,7 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
       row0, c.m, c.n, c.k, c.groups);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const cutlass::Status st = gemm.run(c.stream);
-  err = cudaGetLastError();
-  if (err == cudaSuccess && st != cutlass::Status::kSuccess) err = cudaErrorLaunchFailure;
-  return err;
+  return RunGemm(gemm, c.stream);
 }
 
 }  // namespace

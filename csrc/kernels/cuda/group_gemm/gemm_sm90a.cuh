@@ -14,24 +14,10 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-
 #include "kernels/common/numeric.h"
+#include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/gemm_sm90a.h"
 #include "kernels/cuda/group_gemm/sm90_common.cuh"
-
-#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
-#error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
-#endif
 
 namespace jax_moe {
 namespace {
@@ -42,9 +28,6 @@ constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 256;
 // Rows per expert (average) below which the 64-row tiles run.
 constexpr int64_t kSkinnyRows = 64;
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 
 // A (M, K) row-major, B = w[e] (N, K) row-major, which is CUTLASS's
 // column-major B: both K-major ("TN"); or B = w[e] (K, N) row-major,
@@ -162,10 +145,10 @@ ScratchLayout MakeLayout(int64_t m, int64_t k, int64_t groups, bool gather) {
 // ---------------------------------------------------------------------------
 
 // One block: expert e gets rows [min(P_e, M), min(P_{e+1}, M)) (P: prefix sum
-// of max(size, 0), scanned 1024 experts per pass), i.e. the problem
-// (rows, N, K) and the pointers to its first rows of A and D and to w[e]
-// (N x K elements in either layout). Also stores min(P_E, M), the first tail
-// row.
+// of max(size, 0), scanned 1024 experts per pass by ForEachExpertRows), i.e.
+// the problem (rows, N, K) and the pointers to its first rows of A and D and
+// to w[e] (N x K elements in either layout). Also stores min(P_E, M), the
+// first tail row.
 template <typename Element, typename StrideA, typename StrideB, typename StrideD>
 __global__ void __launch_bounds__(kSetupThreads)
     Sm90SetupKernel(const int32_t* __restrict__ sizes, int64_t groups, int64_t m, int n, int k,
@@ -173,32 +156,20 @@ __global__ void __launch_bounds__(kSetupThreads)
                     StrideD sd, ShapeMNK* shapes, const Element** ptr_a, const Element** ptr_b,
                     Element** ptr_d, StrideA* stride_a, StrideB* stride_b, StrideD* stride_d,
                     int64_t* rows_total) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan;
-  int64_t carry = 0;  // min(rows of the experts before this pass, M)
-  for (int64_t base = 0; base < groups; base += kSetupThreads) {
-    const int64_t e = base + threadIdx.x;
-    const int32_t s = e < groups ? sizes[e] : 0;
-    const int64_t count = s > 0 ? s : 0;
-    int64_t incl, pass_total;
-    Scan(scan).InclusiveSum(count, incl, pass_total);
-    if (e < groups) {
-      const int64_t hi = carry + incl;
-      const int64_t start = hi - count < m ? hi - count : m;
-      const int64_t end = hi < m ? hi : m;
-      shapes[e] = ShapeMNK(static_cast<int>(end - start), n, k);
-      ptr_a[e] = a + start * k;
-      ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
-      ptr_d[e] = d + start * n;
-      stride_a[e] = sa;
-      stride_b[e] = sb;
-      stride_d[e] = sd;
-    }
-    // Clamping the carry is exact: min(min(a, M) + b, M) == min(a + b, M), b >= 0.
-    carry = carry + pass_total < m ? carry + pass_total : m;
-    __syncthreads();  // `scan` is reused by the next pass
-  }
-  if (threadIdx.x == 0) *rows_total = carry;
+  __shared__ typename cub::BlockScan<int64_t, kSetupThreads>::TempStorage scan;
+  const int64_t rows = ForEachExpertRows<kSetupThreads>(
+      sizes, groups, m, scan, [&](int64_t e, int64_t start, int64_t end) {
+        if (e < groups) {
+          shapes[e] = ShapeMNK(static_cast<int>(end - start), n, k);
+          ptr_a[e] = a + start * k;
+          ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
+          ptr_d[e] = d + start * n;
+          stride_a[e] = sa;
+          stride_b[e] = sb;
+          stride_d[e] = sd;
+        }
+      });
+  if (threadIdx.x == 0) *rows_total = rows;
 }
 
 // Grid-stride over rows, 16-byte vectors along the row: with a gather, rows
@@ -278,10 +249,7 @@ cudaError_t RunSm90(const Sm90GemmCall& c, int dev, int sms, bool* ran) {
       c.k / 8, c.n / 8);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const cutlass::Status st = gemm.run(c.stream);
-  err = cudaGetLastError();
-  if (err == cudaSuccess && st != cutlass::Status::kSuccess) err = cudaErrorLaunchFailure;
-  return err;
+  return RunGemm(gemm, c.stream);
 }
 
 // GroupGemmSm90 for one layout of w (see Tiles).

@@ -1,8 +1,9 @@
-// Host helpers shared by the CUTLASS sm90 grouped GEMMs (gemm_sm90a.cu,
-// wgrad_sm90a.cu, fp8_sm90a.cuh): the device check, the scratch alignment,
-// the CUTLASS workspace size and the grouped GEMM's set-up. Host code only;
-// each including translation unit gets its own copy (anonymous namespace),
-// so each probes its own kernels.
+// What the CUTLASS sm90 grouped GEMMs (gemm_sm90a.cuh, wgrad_sm90a.cu,
+// fp8_sm90a.cuh) share: the CUTLASS includes and the check for device-side
+// TMA descriptor updates, the problem shape types, and host helpers (the
+// device check, the scratch alignment, the CUTLASS workspace size, the
+// grouped GEMM's set-up and its launch). Each including translation unit
+// gets its own copy (anonymous namespace), so each probes its own kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,10 +12,28 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
+#endif
 
 namespace jax_moe {
 namespace {
+
+// (M, N, K) per group.
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 
 // The largest SM count the scratch is sized for (a full GH100 die). A device
 // with more SMs runs a persistent grid of this many CTAs.
@@ -73,6 +92,16 @@ bool InitGrouped(Gemm& gemm, int64_t groups, Shape* shapes, PtrA ptr_a, StrideA*
     return false;
   }
   return true;
+}
+
+// Host: launches `gemm` (set up by InitGrouped) on `stream`; a launch error,
+// or cudaErrorLaunchFailure when CUTLASS reports a failure without one.
+template <typename Gemm>
+cudaError_t RunGemm(Gemm& gemm, cudaStream_t stream) {
+  const cutlass::Status st = gemm.run(stream);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess && st != cutlass::Status::kSuccess) err = cudaErrorLaunchFailure;
+  return err;
 }
 
 // The current device and its SM count (capped at kMaxSms) when an sm90 path

@@ -38,24 +38,10 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-
 #include "kernels/common/numeric.h"
+#include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/sm90_common.cuh"
 #include "kernels/cuda/group_gemm/wgrad_sm90a.h"
-
-#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
-#error "the sm90 grouped GEMM needs device-side TMA descriptor updates (CUDA >= 12.3)"
-#endif
 
 namespace jax_moe {
 namespace {
@@ -64,9 +50,6 @@ using namespace cute;
 
 constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 128;
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-using ShapeMNK = ProblemShape::UnderlyingProblemShape;
 
 // The schedule and tile: cooperative 128x256 (both consumer warpgroups on
 // one tile). JAX_MOE_WGRAD_PINGPONG is a benchmark-only switch (see
@@ -225,11 +208,12 @@ ScratchLayout MakeLayout(int64_t m, int64_t k, int64_t groups, bool gather) {
 // ---------------------------------------------------------------------------
 
 // One block: expert e gets rows [min(P_e, M), min(P_{e+1}, M)) (P: prefix sum
-// of max(size, 0), scanned 1024 experts per pass), i.e. the problem
-// (n, k, rows) with pointers to its first rows of dy and x (b: x or its
-// expansion) and to out[e]; an expert with no rows gets the empty problem
-// and its index goes to `empty`, in expert order. info[0]: min(P_E, M), the
-// rows in use; info[1]: the number of empty experts.
+// of max(size, 0), scanned 1024 experts per pass by ForEachExpertRows), i.e.
+// the problem (n, k, rows) with pointers to its first rows of dy and x (b: x
+// or its expansion) and to out[e]; an expert with no rows gets the empty
+// problem and its index goes to `empty`, in expert order (a second scan of
+// each pass). info[0]: min(P_E, M), the rows in use; info[1]: the number of
+// empty experts.
 template <typename Element>
 __global__ void __launch_bounds__(kSetupThreads)
     WgradSetupKernel(const int32_t* __restrict__ sizes, int64_t groups, int64_t m, int n, int k,
@@ -239,39 +223,28 @@ __global__ void __launch_bounds__(kSetupThreads)
                      int32_t* empty, int64_t* info) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan;
-  int64_t carry = 0;        // min(rows of the experts before this pass, M)
   int64_t empty_carry = 0;  // empty experts before this pass
-  for (int64_t base = 0; base < groups; base += kSetupThreads) {
-    const int64_t e = base + threadIdx.x;
-    const int32_t s = e < groups ? sizes[e] : 0;
-    const int64_t count = s > 0 ? s : 0;
-    int64_t incl, pass_total;
-    Scan(scan).InclusiveSum(count, incl, pass_total);
-    const int64_t hi = carry + incl;
-    const int64_t start = hi - count < m ? hi - count : m;
-    const int64_t end = hi < m ? hi : m;
-    const int64_t is_empty = e < groups && end == start ? 1 : 0;
-    int64_t slot, pass_empty;
-    __syncthreads();  // `scan` is reused
-    Scan(scan).ExclusiveSum(is_empty, slot, pass_empty);
-    if (e < groups) {
-      const int rows = static_cast<int>(end - start);
-      shapes[e] = is_empty ? ShapeMNK(0, k, 0) : ShapeMNK(n, k, rows);
-      ptr_a[e] = dy + start * n;
-      ptr_b[e] = b + start * k;
-      ptr_d[e] = out + e * static_cast<int64_t>(n) * k;
-      stride_a[e] = sa;
-      stride_b[e] = sb;
-      stride_d[e] = sd;
-      if (is_empty) empty[empty_carry + slot] = static_cast<int32_t>(e);
-    }
-    // Clamping the carry is exact: min(min(a, M) + b, M) == min(a + b, M), b >= 0.
-    carry = carry + pass_total < m ? carry + pass_total : m;
-    empty_carry += pass_empty;
-    __syncthreads();  // `scan` is reused by the next pass
-  }
+  const int64_t rows_used = ForEachExpertRows<kSetupThreads>(
+      sizes, groups, m, scan, [&](int64_t e, int64_t start, int64_t end) {
+        const int64_t is_empty = e < groups && end == start ? 1 : 0;
+        int64_t slot, pass_empty;
+        __syncthreads();  // `scan` is reused
+        Scan(scan).ExclusiveSum(is_empty, slot, pass_empty);
+        if (e < groups) {
+          const int rows = static_cast<int>(end - start);
+          shapes[e] = is_empty ? ShapeMNK(0, k, 0) : ShapeMNK(n, k, rows);
+          ptr_a[e] = dy + start * n;
+          ptr_b[e] = b + start * k;
+          ptr_d[e] = out + e * static_cast<int64_t>(n) * k;
+          stride_a[e] = sa;
+          stride_b[e] = sb;
+          stride_d[e] = sd;
+          if (is_empty) empty[empty_carry + slot] = static_cast<int32_t>(e);
+        }
+        empty_carry += pass_empty;
+      });
   if (threadIdx.x == 0) {
-    info[0] = carry;
+    info[0] = rows_used;
     info[1] = empty_carry;
   }
 }
@@ -366,10 +339,7 @@ cudaError_t RunWgrad(const Sm90WgradCall& c, int dev, int sms, bool* ran) {
       c.k / 8);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const cutlass::Status st = gemm.run(c.stream);
-  err = cudaGetLastError();
-  if (err == cudaSuccess && st != cutlass::Status::kSuccess) err = cudaErrorLaunchFailure;
-  return err;
+  return RunGemm(gemm, c.stream);
 }
 
 }  // namespace
