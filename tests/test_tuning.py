@@ -239,6 +239,11 @@ def test_fp8_decode_runs():
     assert not tuning.fp8_decode_runs(64, 256, 7168)
     assert not tuning.fp8_decode_runs(8, 256, 7160)        # K not a multiple of 16
     assert not tuning.fp8_decode_runs(8, 256, 128 * 160)   # past its shared memory
+    # 8 (E + 1) + 8 * 132 * ceil(K / 128) bytes against 160 KiB: the edges
+    assert tuning.fp8_decode_runs(8, 256, 153 * 128)
+    assert not tuning.fp8_decode_runs(8, 256, 154 * 128)
+    assert tuning.fp8_decode_runs(8, 13087, 7168)
+    assert not tuning.fp8_decode_runs(8, 13088, 7168)
 
 
 def _install_table(tmp_path, monkeypatch, table):

@@ -4,6 +4,7 @@
 
 #include "ffi/targets.h"
 #include "kernels/common/attention.h"
+#include "kernels/common/fp8_decode_rule.h"
 #include "kernels/common/moe_decode.h"
 #include "kernels/common/numeric.h"
 
@@ -114,6 +115,9 @@ NB_MODULE(_jax_moe, m) {
   decode_fp8["max_inter"] = kDecodeFp8MaxInter;
   decode_fp8["multiple"] = kDecodeFp8Multiple;
   m.attr("DECODE_FP8_LIMITS") = decode_fp8;
+  m.def("group_gemm_fp8_decode_fits", &Fp8DecodeShapeOk, nb::arg("groups"), nb::arg("k"),
+        "Whether group_gemm_fp8's decode form (tile_m=8) takes a problem of this shape on a "
+        "CUDA device: K a multiple of 16 and its shared memory within the cap.");
   m.attr("DECODE_SPLIT_UNIT") = kDecodeSplitUnit;
   m.attr("DECODE_MAX_SPLIT_TOKENS") = kDecodeMaxSplitTokens;
 }

@@ -81,7 +81,6 @@ DECODE_MAX_ROWS = 8
 # the decode form (measured on the H200, docs/performance.md).
 FP8_TILE_M = _checks.FP8_TILE_M
 FP8_DECODE_MAX_ROWS = 2
-_FP8_DECODE_MAX_SMEM = 160 * 1024  # the decode form's shared memory cap (fp8_skinny.cuh)
 # (H, I, E, k) of the MoE layers that the shipped tables and the benchmarks
 # cover: hidden size, expert intermediate size, experts, top-k.
 MODEL_SHAPES = {
@@ -185,10 +184,9 @@ def fp8_sm90_usable(n: int, k: int, dtype) -> bool:
 
 def fp8_decode_runs(tile: int, experts: int, k: int) -> bool:
     """Whether tile_m = `tile` runs group_gemm_fp8's decode form on a CUDA
-    device (K a multiple of 16, its shared memory within the cap)."""
-    kb = -(-k // 128)
-    smem = 2 * (experts + 1) * 4 + 8 * kb * (128 + 4)
-    return tile == 8 and k > 0 and k % 16 == 0 and smem <= _FP8_DECODE_MAX_SMEM
+    device (K a multiple of 16, its shared memory within the cap): the
+    extension's own rule (kernels/common/fp8_decode_rule.h)."""
+    return tile == 8 and bool(_ext.group_gemm_fp8_decode_fits(experts, k))
 
 
 def group_gemm_fp8_tile_m(m: int, experts: int, n: int, k: int, dtype, tile_m=None) -> int:

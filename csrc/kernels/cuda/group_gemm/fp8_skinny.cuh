@@ -28,6 +28,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/common/fp8_decode_rule.h"
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/group_gemm/expert_rows.cuh"
@@ -38,21 +39,13 @@ namespace jax_moe {
 namespace {
 
 constexpr int kFp8SkinnyThreads = 256;
-constexpr int kFp8SkinnyRows = 8;     // token rows a pass: the mma's N
+constexpr int kFp8SkinnyRows = kFp8DecodeRows;  // token rows a pass: the mma's N
 constexpr int kFp8SkinnyCols = 128;   // columns an item: 8 warps x 16, one scale block
 // Up to 2 rows an expert on average (H200, the layer with DeepSeek-V3 and
 // Qwen3-235B-A22B shapes: faster than the CUTLASS kernel at 0.5-1 rows an
 // expert, slower at 4-8; docs/performance.md).
 constexpr int kFp8SkinnyMaxAvgRows = 2;
-constexpr int kFp8SkinnyMaxSmem = 160 * 1024;
 static_assert(kFp8SkinnyCols == kFp8Block, "an item's columns share one weight scale block");
-
-// Shared memory of a call: row starts S and pass prefix Q (E + 1 int32 each),
-// the pass's quantised rows (codes, rows of kb * 128) and their block scales.
-inline int64_t Fp8SkinnySmem(int64_t groups, int64_t k) {
-  const int64_t kb = (k + kFp8Block - 1) / kFp8Block;
-  return 2 * (groups + 1) * 4 + kFp8SkinnyRows * kb * (kFp8Block + 4);
-}
 
 template <DType DT>
 __global__ void __launch_bounds__(kFp8SkinnyThreads)
