@@ -207,11 +207,10 @@ cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const voi
   *ran = false;
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   const int64_t smem = Fp8DecodeSmem(d.groups, d.k);
-  if (d.m <= 0 || d.n <= 0 || (!any_rows && d.m > kFp8SkinnyMaxAvgRows * d.groups) ||
-      !Fp8DecodeShapeOk(d.groups, d.k) || smem > DeviceSmemOptin() || !aligned(x) ||
-      !aligned(w))
-    return cudaSuccess;
   const int64_t smem_cap = std::min<int64_t>(kFp8DecodeMaxSmem, DeviceSmemOptin());
+  if (d.m <= 0 || d.n <= 0 || (!any_rows && d.m > kFp8SkinnyMaxAvgRows * d.groups) ||
+      !Fp8DecodeShapeOk(d.groups, d.k) || smem > smem_cap || !aligned(x) || !aligned(w))
+    return cudaSuccess;
   *ran = true;  // from here on, the call is ours (errors are reported, not retried)
   auto launch = [&]<DType DT>() {
     using S = Fp8Storage<DT>;
