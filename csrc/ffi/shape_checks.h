@@ -257,6 +257,24 @@ inline ffi::Error CheckActivationGrad(const ffi::AnyBuffer& h, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// activation_scaled_grad: h, d and dh as for activation_grad; scale, dot
+// (rows,) and as (rows, I) of h's dtype.
+inline ffi::Error CheckActivationScaledGrad(const ffi::AnyBuffer& h, const ffi::AnyBuffer& d,
+                                            const ffi::Buffer<ffi::F32>& scale,
+                                            int64_t activation, bool gated,
+                                            const ffi::AnyBuffer& dh, const ffi::AnyBuffer& as,
+                                            const ffi::Buffer<ffi::F32>& dot, ActDims* dims) {
+  if (auto err = CheckActivationGrad(h, d, activation, gated, dh, dims); err.failure())
+    return err;
+  if (static_cast<int64_t>(scale.element_count()) != dims->rows ||
+      static_cast<int64_t>(dot.element_count()) != dims->rows)
+    return InvalidArg("activation scaled grad: scale and dot must have one entry per row of h");
+  if (as.element_count() != d.element_count() || as.element_type() != h.element_type())
+    return InvalidArg("activation scaled grad: the scaled activation must have d's shape and "
+                      "h's dtype");
+  return ffi::Error::Success();
+}
+
 // group_gemm_wgrad: dy (M, N); x (M, K), or with `gather` x (T, K) and rows
 // (M,) naming token rows; out (E, N, K) with E = expert_sizes' entries. Fills
 // d: m = M, k = K, groups = E, n = N, x_rows = x's rows.

@@ -12,23 +12,24 @@ namespace jax_moe {
 // Every FFI target once: X(python target name, handler stem). Each op family
 // defines k<stem>Cpu and (CUDA builds) k<stem>Cuda in csrc/ffi/<step>.cc;
 // module.cc registers both from this list.
-#define JAX_MOE_TARGETS(X)                       \
-  X("jax_moe_route", Route)                      \
-  X("jax_moe_token_index", TokenIndex)           \
-  X("jax_moe_expand", Expand)                    \
-  X("jax_moe_group_gemm", GroupGemm)             \
-  X("jax_moe_expert_mlp", ExpertMlp)             \
-  X("jax_moe_moe_layer", MoeLayer)               \
-  X("jax_moe_moe_decode", MoeDecode)             \
-  X("jax_moe_moe_decode_fp8", MoeDecodeFp8)      \
-  X("jax_moe_activation", Activation)            \
-  X("jax_moe_activation_grad", ActivationGrad)   \
-  X("jax_moe_combine", Combine)                  \
-  X("jax_moe_write_kv", WriteKv)                 \
-  X("jax_moe_paged_decode", PagedDecode)         \
-  X("jax_moe_fill_rows", FillRows)               \
-  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad)  \
-  X("jax_moe_group_gemm_fp8", GroupGemmFp8)      \
+#define JAX_MOE_TARGETS(X)                                  \
+  X("jax_moe_route", Route)                                 \
+  X("jax_moe_token_index", TokenIndex)                      \
+  X("jax_moe_expand", Expand)                               \
+  X("jax_moe_group_gemm", GroupGemm)                        \
+  X("jax_moe_expert_mlp", ExpertMlp)                        \
+  X("jax_moe_moe_layer", MoeLayer)                          \
+  X("jax_moe_moe_decode", MoeDecode)                        \
+  X("jax_moe_moe_decode_fp8", MoeDecodeFp8)                 \
+  X("jax_moe_activation", Activation)                       \
+  X("jax_moe_activation_grad", ActivationGrad)              \
+  X("jax_moe_activation_scaled_grad", ActivationScaledGrad) \
+  X("jax_moe_combine", Combine)                             \
+  X("jax_moe_write_kv", WriteKv)                            \
+  X("jax_moe_paged_decode", PagedDecode)                    \
+  X("jax_moe_fill_rows", FillRows)                          \
+  X("jax_moe_group_gemm_wgrad", GroupGemmWgrad)             \
+  X("jax_moe_group_gemm_fp8", GroupGemmFp8)                 \
   X("jax_moe_combine_bwd", CombineBwd)
 
 #define JAX_MOE_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(k##stem##Cpu);
@@ -126,6 +127,20 @@ auto ActivationGradSignature(Bound bound) {
       .template Attr<int64_t>("activation")
       .template Attr<bool>("gated")
       .template Ret<xla::ffi::AnyBuffer>();  // dh
+}
+
+// activation_scaled_grad (the routed layer's activation backward)
+template <typename Bound>
+auto ActivationScaledGradSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // h
+      .template Arg<xla::ffi::AnyBuffer>()  // d: the unweighted cotangent of the activation
+      .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scale: each row's top-k weight
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Ret<xla::ffi::AnyBuffer>()  // dh
+      .template Ret<xla::ffi::AnyBuffer>()  // scale * act(h)
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // <act(h), d> per row
 }
 
 // combine (ops.moe_combine)

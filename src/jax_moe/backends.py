@@ -29,6 +29,7 @@ from jax_moe.ops.group_gemm_fp8 import _group_gemm_fp8 as _ffi_group_gemm_fp8
 from jax_moe.ops.moe_decode import _moe_decode as _ffi_moe_decode
 from jax_moe.ops.moe_layer import _moe_layer as _ffi_moe_layer
 from jax_moe.ops.route import _route as _ffi_route
+from jax_moe.ops.routed_experts import routed_experts as _ffi_routed_experts
 from jax_moe.ops.token_index import _token_index as _ffi_token_index
 
 __all__ = ["BACKENDS", "get", "Steps", "steps", "fp8_expert_mlp"]
@@ -62,6 +63,10 @@ class Steps:
     expert_mlp: Callable
     # (y, topk_weights, src_to_dst, dst_to_src=None: its inverse, if known) -> (T, H)
     combine: Callable
+    # (x, w13, w2, topk_weights, expert_sizes, dst_to_src, src_to_dst, topk, activation
+    #  name, is_gated, tiles, remat) -> (T, H): combine(expert_mlp(...)) with step 2's maps,
+    #  differentiable without keeping the expert outputs
+    routed_experts: Callable
     # (hidden_states, router_logits, w13, w2, e_score_correction_bias or None, Layer) -> (T, H)
     moe_layer: Callable
     # (hidden_states, router_logits, w13, w2, Routing) -> (1, H); within moe_decode's limits
@@ -73,12 +78,14 @@ class Steps:
 _STEPS = types.MappingProxyType({
     "ffi": Steps(name="ffi", route=_ffi_route, token_index=_ffi_token_index, expand=_ffi_expand,
                  activation=_ffi_activation, expert_mlp=_ffi_expert_mlp, combine=_ffi_combine,
-                 moe_layer=_ffi_moe_layer, moe_decode=_ffi_moe_decode,
+                 routed_experts=_ffi_routed_experts, moe_layer=_ffi_moe_layer, moe_decode=_ffi_moe_decode,
                  group_gemm_fp8=_ffi_group_gemm_fp8),
     "reference": Steps(name="reference", route=reference._route,
                        token_index=reference._token_index, expand=reference._expand,
                        activation=reference._activation, expert_mlp=reference._expert_mlp,
-                       combine=reference._combine, moe_layer=reference._moe_layer,
+                       combine=reference._combine,
+                       routed_experts=reference._routed_experts,
+                       moe_layer=reference._moe_layer,
                        moe_decode=reference._moe_decode,
                        group_gemm_fp8=reference._group_gemm_fp8),
 })

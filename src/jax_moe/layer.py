@@ -128,12 +128,13 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     Differentiable in hidden_states, router_logits, w13, w2 and the shared
     experts' arrays. On the "ffi" backend the backward runs on the kernels
     (grouped GEMMs against the weights for the inputs' gradients, k-grouped
-    GEMMs for the weights', the combine's and the router's backward); the
-    forward keeps the token index, the w13 GEMM's output (T*k rows of 2I)
-    and the expert outputs (T*k rows of H) for it, and where w13's GEMM is
-    the Hopper kernel (which copies the rows before its loads anyway) the
-    expanded input rows (T*k rows of H). remat=True keeps neither w13's
-    output nor those rows and recomputes that GEMM in the backward instead.
+    GEMMs for the weights', the activation's and the router's backward);
+    the forward keeps the router's weights, the token index and the w13
+    GEMM's output (T*k rows of 2I) for it, and where w13's GEMM is the
+    Hopper kernel (which copies the rows before its loads anyway) the
+    expanded input rows (T*k rows of H); not the expert outputs. remat=True
+    keeps neither w13's output nor those rows and recomputes that GEMM in
+    the backward instead.
 
     Block-scaled fp8 experts (DeepSeek-V3's and the Qwen3-MoE FP8 checkpoints'
     weights): w13 and w2 in float8_e4m3fn with one f32 scale per 128 x 128

@@ -396,10 +396,9 @@ def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: 
     if plan.fp8:  # steps 3-6 with both GEMMs on fp8 weights
         y = backends.fp8_expert_mlp(steps, x, *w13, *w2, sizes, dst_to_src[:rows], k,
                                     plan.activation, True)
-    else:
-        y = steps.expert_mlp(x, w13, w2, sizes, dst_to_src[:rows], k,  # steps 3-6
-                             plan.activation, True, (None, None))
-    return steps.combine(y, weights, src_to_dst, dst_to_src[:rows])
+        return steps.combine(y, weights, src_to_dst, dst_to_src[:rows])
+    return steps.routed_experts(x, w13, w2, weights, sizes, dst_to_src[:rows],  # steps 3-7
+                                src_to_dst, k, plan.activation, True, (None, None), False)
 
 
 def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, plan: _Plan,

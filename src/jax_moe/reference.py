@@ -300,14 +300,35 @@ def _act(g, activation: str):
     return jax.nn.gelu(g, approximate=True)
 
 
+def _routed_experts(x, w13, w2, topk_weights, expert_sizes, dst_to_src, src_to_dst, k: int,
+                    activation: str, is_gated: bool, tiles=(None, None), remat: bool = False):
+    """Steps 3-7: the combine of expert_mlp's rows (tiles and remat as there)."""
+    y = _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated)
+    return _combine(y, topk_weights, src_to_dst, dst_to_src)
+
 def _activation(h, activation: str, gated: bool):
     """gated_activation (gated) or activation: computed in f32, in h's dtype."""
-    hf = h.astype(jnp.float32)
-    if not gated:
-        return _act(hf, activation).astype(h.dtype)
-    inter = h.shape[-1] // 2
-    return (_act(hf[..., :inter], activation) * hf[..., inter:]).astype(h.dtype)
+    return _act_f32(h.astype(jnp.float32), activation, gated).astype(h.dtype)
 
+
+def _activation_scaled_grad(h, d, scale, activation: str, gated: bool):
+    """ops.activation.activation_scaled_vjp's twin: (dh for the cotangent
+    scale[r] * d[r], scale[r] * act(h[r]), dot[r] = <act(h[r]) in h's dtype,
+    d[r]> in f32)."""
+    hf, df = h.astype(jnp.float32), d.astype(jnp.float32)
+    sf = scale.astype(jnp.float32)[..., None]
+    a, vjp = jax.vjp(lambda v: _act_f32(v, activation, gated), hf)
+    dh = vjp(sf * df)[0].astype(h.dtype)
+    dot = jnp.sum(a.astype(h.dtype).astype(jnp.float32) * df, axis=-1)
+    return dh, (sf * a).astype(h.dtype), dot
+
+
+def _act_f32(hf, activation: str, gated: bool):
+    """The activation of f32 rows, in f32 (unrounded)."""
+    if not gated:
+        return _act(hf, activation)
+    inter = hf.shape[-1] // 2
+    return _act(hf[..., :inter], activation) * hf[..., inter:]
 
 def _combine(y, topk_weights, src_to_dst, dst_to_src=None):
     """dst_to_src: accepted for parity with ops (its backward's hint), not used."""

@@ -171,10 +171,16 @@ def test_grad_program_runs_on_the_kernels(rng):
     ragged_dot or dot (dense expert matmul) at all."""
     arrays, ct = inputs(rng, 64, 64, 32, 8, jnp.float32, k=2)
     text = grads.lower(arrays, ct, "ffi", (("topk", 2),)).as_text()
+    def has(target):
+        return f'"{target}"' in text or f"@{target}" in text or target + '"' in text
+
     for target in ("jax_moe_route", "jax_moe_token_index", "jax_moe_group_gemm",
-                   "jax_moe_group_gemm_wgrad", "jax_moe_combine_bwd", "jax_moe_combine",
-                   "jax_moe_activation", "jax_moe_activation_grad"):
-        assert f'"{target}"' in text or f"@{target}" in text or target + '"' in text, target
+                   "jax_moe_group_gemm_wgrad", "jax_moe_expand", "jax_moe_combine",
+                   "jax_moe_activation", "jax_moe_activation_scaled_grad"):
+        assert has(target), target
+    # The top-k weights' gradient comes from the activation's backward, not
+    # from the expert outputs (which the forward does not keep).
+    assert not has("jax_moe_combine_bwd")
     assert "ragged_dot" not in text
     assert "dot_general" not in text
 
@@ -197,3 +203,20 @@ def test_grad_under_vmap_free_jit_no_retrace(rng):
     arrays["router_logits"] = router_logits(rng, 24, 8, jnp.float32)
     grads(arrays, ct, "ffi", static)
     assert grads._cache_size() == before
+
+
+def test_forward_keeps_no_expert_outputs(rng):
+    """What jax.vjp keeps from the forward: w13's output h (T*k x 2I) once, the
+    expanded rows (T*k x H) only where expert_mlp keeps them, and no expert
+    outputs y (T*k x H): the top-k weights' gradient is computed without
+    them. With remat, neither h nor the rows."""
+    from jax_moe.ops.expert_mlp import _keeps_rows
+    tokens, hidden, inter, experts, k = 16, 48, 40, 8, 2
+    arrays, _ = inputs(rng, tokens, hidden, inter, experts, jnp.float32, k=k)
+    m = tokens * k
+    for remat in (False, True):
+        _, vjp = jax.vjp(functools.partial(jax_moe.moe_forward, topk=k, remat=remat), *arrays.values())
+        shapes = [tuple(a.shape) for a in jax.tree_util.tree_leaves(vjp)]
+        kept = _keeps_rows(m, arrays["hidden_states"], arrays["w13"], (None, None), remat)
+        assert shapes.count((m, hidden)) == int(kept), shapes
+        assert shapes.count((m, 2 * inter)) == (0 if remat else 1), shapes

@@ -154,3 +154,84 @@ def test_activation_grad_sanitize(rng, gated, dtype):
         g = normal(rng, (5, width // 2 if gated else width), dtype)
         assert_close(_vjp(_op("gelu", gated), h, g), _vjp(_ref("gelu", gated), h, g), dtype,
                      "vs reference autodiff", atol=1e-5)
+
+
+# ---- the routed layer's backward (the jax_moe_activation_scaled_grad kernel)
+
+from jax_moe.ops.activation import activation_scaled_vjp  # noqa: E402
+
+_scaled_twin = jax.jit(reference._activation_scaled_grad, static_argnums=(3, 4))
+
+
+@dtypes
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(1, 2), (7, 14), (0, 16), (33, 260), (40, 512)], ids=str)
+def test_activation_scaled_grad(rng, shape, activation, gated, dtype):
+    """Against the twin (autodiff of the reference for the cotangent scale *
+    d) and, for dot and the scaled activation, float64 sums of the rounded
+    forward activation; zero scales (unplaced rows) give zero dh and as."""
+    h = normal(rng, shape, dtype, scale=2.0)
+    inter = shape[-1] // 2 if gated else shape[-1]
+    d = normal(rng, (shape[0], inter), dtype)
+    scale = jnp.asarray(rng.random(shape[0]), jnp.float32)
+    if shape[0] > 2:
+        scale = scale.at[1].set(0.0)
+    dh, scaled, dot = activation_scaled_vjp(h, d, scale, activation, gated)
+    assert dh.shape == h.shape and dh.dtype == dtype
+    assert scaled.shape == d.shape and scaled.dtype == dtype
+    assert dot.shape == (shape[0],) and dot.dtype == jnp.float32
+    want_dh, want_scaled, want_dot = _scaled_twin(h, d, scale, activation, gated)
+    mag = np.abs(oracle.f64(h)).max(initial=0) * np.abs(oracle.f64(d)).max(initial=0)
+    assert_close(dh, want_dh, dtype, "dh vs twin", atol=1e-6 * mag)
+    assert_close(scaled, want_scaled, dtype, "scale * act vs twin", atol=1e-6 * mag)
+    a = oracle.f64(reference._activation(h, activation, gated))
+    assert_close(dot, np.sum(a * oracle.f64(d), axis=-1), jnp.float32, "dot vs float64",
+                 rtol=1e-2 if dtype != jnp.float32 else 1e-4,
+                 atol=1e-5 * np.sqrt(inter) * mag)
+    assert_close(scaled, a * oracle.f64(scale)[:, None], dtype, "scale * act vs float64",
+                 atol=1e-6 * mag)
+    if shape[0] > 2:
+        assert not np.any(np.asarray(dh[1], np.float32))
+        assert not np.any(np.asarray(scaled[1], np.float32))
+
+
+def test_activation_scaled_grad_same_bits_as_activation_grad(rng):
+    """With unit scales, dh is the plain backward's on the same cotangent,
+    bit for bit, and the scaled activation is the forward's."""
+    h = normal(rng, (9, 64), jnp.bfloat16, scale=2.0)
+    d = normal(rng, (9, 32), jnp.bfloat16)
+    dh, scaled, _ = activation_scaled_vjp(h, d, jnp.ones((9,), jnp.float32), "silu", True)
+    assert_equal(scaled, ops.gated_activation(h, "silu"))
+    assert_equal(dh, _vjp(_op("silu", True), h, d))
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_activation_scaled_grad_sanitize(rng, gated):
+    for width in (26, 32):  # the scalar path and the 16-byte one
+        h = normal(rng, (5, width), jnp.bfloat16)
+        d = normal(rng, (5, width // 2 if gated else width), jnp.bfloat16)
+        scale = jnp.asarray(rng.random(5), jnp.float32)
+        got = activation_scaled_vjp(h, d, scale, "gelu", gated)
+        want = _scaled_twin(h, d, scale, "gelu", gated)
+        # All three to bf16's tolerance: dot sums the activation rounded to
+        # bf16, where the twin's and the kernel's may differ by a rounding flip.
+        for g, w in zip(got, want):
+            assert_close(g, w, jnp.bfloat16, "vs twin", atol=1e-3)
+
+
+def test_activation_scaled_grad_leaves_a_live_h_intact(rng):
+    """dh may take h's buffer only where nothing reads h afterwards: a caller
+    that still holds h, eagerly or in the same jitted program, sees it
+    unchanged."""
+    h = normal(rng, (6, 48), jnp.bfloat16, scale=2.0)
+    d = normal(rng, (6, 24), jnp.bfloat16)
+    scale = jnp.asarray(rng.random(6), jnp.float32)
+    before = np.asarray(h, np.float32).copy()
+    dh = activation_scaled_vjp(h, d, scale, "silu", True)[0]
+    np.testing.assert_array_equal(np.asarray(h, np.float32), before)
+    both = jax.jit(lambda h, d, s: (activation_scaled_vjp(h, d, s, "silu", True)[0], h * 1))
+    dh2, h2 = both(h, d, scale)
+    np.testing.assert_array_equal(np.asarray(h2, np.float32), before)
+    assert_equal(dh2, dh)

@@ -77,4 +77,40 @@ void ActGradRows(const typename S::Storage* in, const typename S::Storage* d, in
     }
 }
 
+// The activation's backward in the routed layer, where the cotangent of row r
+// is scale[r] * d[r] (d: the gradient of the unweighted expert output, pulled
+// back through w2; scale: the row's top-k weight): dh (rows x width) as
+// ActGradRows for that cotangent, as (rows x inter) = scale[r] * a[r] (a the
+// forward's activation; w2's weight-gradient operand) and dot[r] = sum_c
+// a[r, c] * d[r, c] (the top-k weight's gradient), with a rounded to the
+// dtype as the forward stores it; in f32, columns in order. dh may be `in`
+// (in place): each column's elements are read before they are written.
+template <typename S>
+void ActScaledGradRows(const typename S::Storage* in, const typename S::Storage* d,
+                       const float* scale, int64_t rows, int64_t width, int64_t inter,
+                       int64_t act, bool gated, typename S::Storage* dh,
+                       typename S::Storage* as, float* dot) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f;
+    for (int64_t c = 0; c < inter; ++c) {
+      float slope;
+      const float gate = S::Load(in[r * width + c]);
+      const float ag = ActSlopeHost(gate, act, &slope);  // as ActGradRows'
+      const float up = gated ? S::Load(in[r * width + inter + c]) : 1.f;
+      const float a = ActHost(gate, act);  // as ActRows'
+      const float dv = S::Load(d[r * inter + c]);
+      const float dd = scale[r] * dv;
+      sum += S::Load(S::Store(a * up)) * dv;
+      as[r * inter + c] = S::Store(scale[r] * (a * up));
+      if (gated) {
+        dh[r * width + c] = S::Store(dd * up * slope);
+        dh[r * width + inter + c] = S::Store(dd * ag);
+      } else {
+        dh[r * width + c] = S::Store(dd * slope);
+      }
+    }
+    dot[r] = sum;
+  }
+}
+
 }  // namespace jax_moe

@@ -25,4 +25,15 @@ void ActivationGradRows(DType dtype, const void* in, const void* d, int64_t rows
   });
 }
 
+void ActivationScaledGradRows(DType dtype, const void* in, const void* d, const float* scale,
+                              int64_t rows, int64_t width, int64_t inter, int64_t activation,
+                              bool gated, void* dh, void* as, float* dot) {
+  WithDType(dtype, [&]<DType DT>() {
+    using S = HostScalar<DT>;
+    using T = typename S::Storage;
+    ActScaledGradRows<S>(static_cast<const T*>(in), static_cast<const T*>(d), scale, rows, width,
+                         inter, activation, gated, static_cast<T*>(dh), static_cast<T*>(as), dot);
+  });
+}
+
 }  // namespace jax_moe

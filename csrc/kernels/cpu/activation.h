@@ -19,4 +19,11 @@ void ActivationRows(DType dtype, const void* in, int64_t rows, int64_t width, in
 void ActivationGradRows(DType dtype, const void* in, const void* d, int64_t rows, int64_t width,
                         int64_t inter, int64_t activation, bool gated, void* out);
 
+// The routed layer's activation backward (act_math.h's ActScaledGradRows):
+// for the cotangent scale[r] * d[r], dh (in's shape), as = scale[r] * act
+// (rows x inter) and dot[r] = <act[r], d[r]> (f32), in `dtype`.
+void ActivationScaledGradRows(DType dtype, const void* in, const void* d, const float* scale,
+                              int64_t rows, int64_t width, int64_t inter, int64_t activation,
+                              bool gated, void* dh, void* as, float* dot);
+
 }  // namespace jax_moe

@@ -169,6 +169,92 @@ cudaError_t LaunchActivationGradT(cudaStream_t stream, int64_t activation, bool 
   }
 }
 
+// The routed layer's backward (activation.h's LaunchActivationScaledGrad):
+// one warp a row, so that the row's dot product is a warp reduction; each lane
+// sums its columns in order and the warp adds the lanes in a fixed tree, so
+// the bits do not depend on the grid. dh may be `in` itself (the layer's
+// backward overwrites h): each thread reads its elements before it writes
+// the same ones, and no other thread touches them.
+template <DType DT, int ACT, bool GATED, int VEC>
+__global__ void ScaledActGradKernel(const typename DevScalar<DT>::T* in,
+                                    const typename DevScalar<DT>::T* __restrict__ d,
+                                    const float* __restrict__ scale, int64_t rows,
+                                    int64_t inter, typename DevScalar<DT>::T* dh,
+                                    typename DevScalar<DT>::T* __restrict__ as,
+                                    float* __restrict__ dot) {
+  constexpr int kWidth = GATED ? 2 : 1;
+  using S = DevScalar<DT>;
+  using T = typename S::T;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+       r < rows; r += warps) {
+    const float sc = scale[r];
+    float sum = 0.f;
+    for (int64_t c = static_cast<int64_t>(lane) * VEC; c < inter; c += 32 * VEC) {
+      const int64_t at = r * kWidth * inter + c;
+      T g[VEC], u[VEC], dv[VEC], dg[VEC], du[VEC], o[VEC];
+      LoadVec<VEC>(in + at, g);
+      if constexpr (GATED) LoadVec<VEC>(in + at + inter, u);
+      LoadVec<VEC>(d + r * inter + c, dv);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float slope;
+        const float x = S::Load(g[v]);
+        const float ag = ActSlope<ACT>(x, &slope);  // as the plain backward's
+        const float a = Act<ACT>(x);  // as the forward's
+        const float up = GATED ? S::Load(u[v]) : 1.f;
+        const float gd = S::Load(dv[v]);
+        const float dd = sc * gd;
+        sum += S::Load(S::Store(a * up)) * gd;
+        o[v] = S::Store(sc * (a * up));
+        dg[v] = S::Store(GATED ? dd * up * slope : dd * slope);
+        if constexpr (GATED) du[v] = S::Store(dd * ag);
+      }
+      StoreVec<VEC>(dh + at, dg);
+      if constexpr (GATED) StoreVec<VEC>(dh + at + inter, du);
+      StoreVec<VEC>(as + r * inter + c, o);
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) dot[r] = sum;
+  }
+}
+
+template <DType DT, int ACT, bool GATED>
+cudaError_t LaunchScaledGrad(cudaStream_t stream, const void* in, const void* d,
+                             const float* scale, int64_t rows, int64_t inter, void* dh, void* as,
+                             float* dot) {
+  using T = typename DevScalar<DT>::T;
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kThreads = 256;  // 8 rows a block at once
+  const auto* ip = static_cast<const T*>(in);
+  const auto* dp = static_cast<const T*>(d);
+  const unsigned grid = GridFor(rows, kThreads / 32);
+  if (inter % kVec == 0)
+    return LaunchKernel(ScaledActGradKernel<DT, ACT, GATED, kVec>, grid, kThreads, 0, stream,
+                        false, ip, dp, scale, rows, inter, static_cast<T*>(dh),
+                        static_cast<T*>(as), dot);
+  return LaunchKernel(ScaledActGradKernel<DT, ACT, GATED, 1>, grid, kThreads, 0, stream, false,
+                      ip, dp, scale, rows, inter, static_cast<T*>(dh), static_cast<T*>(as), dot);
+}
+
+template <DType DT>
+cudaError_t LaunchActivationScaledGradT(cudaStream_t stream, int64_t activation, bool gated,
+                                        const void* in, const void* d, const float* scale,
+                                        int64_t rows, int64_t inter, void* dh, void* as,
+                                        float* dot) {
+  auto run = [&]<int ACT>() {
+    if (gated) return LaunchScaledGrad<DT, ACT, true>(stream, in, d, scale, rows, inter, dh, as,
+                                                      dot);
+    return LaunchScaledGrad<DT, ACT, false>(stream, in, d, scale, rows, inter, dh, as, dot);
+  };
+  switch (activation) {
+    case kGeluExact: return run.template operator()<kGeluExact>();
+    case kGeluTanh: return run.template operator()<kGeluTanh>();
+    default: return run.template operator()<kSilu>();
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchActivationGrad(cudaStream_t stream, DType dtype, int64_t activation, bool gated,
@@ -186,6 +272,17 @@ cudaError_t LaunchActivation(cudaStream_t stream, DType dtype, int64_t activatio
   if (rows * inter == 0) return cudaSuccess;
   return WithDType(dtype, [&]<DType DT>() {
     return LaunchActivationT<DT>(stream, activation, gated, in, rows, inter, out, pdl);
+  });
+}
+
+cudaError_t LaunchActivationScaledGrad(cudaStream_t stream, DType dtype, int64_t activation,
+                                       bool gated, const void* in, const void* d,
+                                       const float* scale, int64_t rows, int64_t inter, void* dh,
+                                       void* as, float* dot) {
+  if (rows == 0) return cudaSuccess;
+  return WithDType(dtype, [&]<DType DT>() {
+    return LaunchActivationScaledGradT<DT>(stream, activation, gated, in, d, scale, rows, inter,
+                                           dh, as, dot);
   });
 }
 

@@ -27,4 +27,14 @@ cudaError_t LaunchActivationGrad(cudaStream_t stream, DType dtype, int64_t activ
                                  const void* in, const void* d, int64_t rows, int64_t inter,
                                  void* out);
 
+// The routed layer's backward, for the cotangent scale[r] * d[r] (d: rows x
+// inter; scale: rows f32): dh (in's shape) as LaunchActivationGrad's, as
+// (rows x inter) = scale[r] * act(in[r]) (gated: times up) and dot[r] (f32) =
+// the sum over c of that activation, rounded to `dtype` as the forward stores
+// it, times d[r, c]; computed in f32, on `stream`. dh may be `in` (in place).
+cudaError_t LaunchActivationScaledGrad(cudaStream_t stream, DType dtype, int64_t activation,
+                                       bool gated, const void* in, const void* d,
+                                       const float* scale, int64_t rows, int64_t inter, void* dh,
+                                       void* as, float* dot);
+
 }  // namespace jax_moe

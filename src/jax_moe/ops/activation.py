@@ -1,11 +1,13 @@
-"""Step 5, the activation: FFI targets jax_moe_activation and (its backward)
-jax_moe_activation_grad."""
+"""Step 5, the activation: FFI targets jax_moe_activation, (its backward)
+jax_moe_activation_grad and (the routed layer's backward, with each row's
+top-k weight) jax_moe_activation_scaled_grad."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks
@@ -62,6 +64,26 @@ def activation_vjp(h, g, name: str, gated: bool):
     return call(h, g.astype(h.dtype), activation=np.int64(_checks.ACTIVATIONS[name]),
                 gated=bool(gated))
 
+
+def activation_scaled_vjp(h, d, scale, name: str, gated: bool):
+    """The activation's backward in the routed layer, where row r's output
+    cotangent is scale[r] * d[r] (d (M, I): the gradient of the unweighted
+    expert output pulled back through w2; scale (M,): the row's top-k
+    weight). One pass over h and d -> (dh (h's shape, activation_vjp's for
+    that cotangent), scale[r] * act(h[r]) (d's shape, w2's weight-gradient
+    operand), dot (M,) float32 = the sum over c of act(h)[r, c] (rounded to
+    h's dtype, as the forward stores it) times d[r, c], which is the top-k
+    weight's gradient). All in f32, in h's dtype.
+
+    dh takes h's buffer (input_output_aliases) where XLA can give it, that
+    is where nothing reads h afterwards, as in the layer's backward: then
+    h, d and the scaled activation are live at once, not also dh."""
+    call = jax.ffi.ffi_call(
+        "jax_moe_activation_scaled_grad",
+        (sds(h.shape, h.dtype), sds(d.shape, h.dtype), sds(d.shape[:-1], jnp.float32)),
+        vmap_method="broadcast_all", input_output_aliases={0: 0})
+    return call(h, d.astype(h.dtype), scale.astype(jnp.float32),
+                activation=np.int64(_checks.ACTIVATIONS[name]), gated=bool(gated))
 
 _activation.defvjp(_activation_fwd, _activation_bwd)
 

@@ -105,16 +105,27 @@ def expert_mlp_vjp(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k: int, act
     recomputed from h (the same kernel, so the same bits as the forward);
     its backward, and every GEMM, runs on the kernels."""
     if h is None:
-        h = _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, tile1)
+        h = recompute_h(x, w13, expert_sizes, dst_to_src, k, tile1)
     a = _activation_call(h, activation, is_gated)
     da, dw2 = group_gemm_vjp(a, w2, expert_sizes, None, 1, g)
     dh = activation_vjp(h, da, activation, is_gated)
-    if xe is None:
-        dx, dw13 = group_gemm_vjp(x, w13, expert_sizes, dst_to_src, k, dh, src_to_dst)
-    else:
-        dxe, dw13 = group_gemm_vjp(xe, w13, expert_sizes, None, 1, dh)
-        dx = gather_transpose(dxe, dst_to_src, k, x.shape[0], src_to_dst)
+    dx, dw13 = w13_vjp(x, w13, expert_sizes, dst_to_src, src_to_dst, k, dh, xe)
     return dx, dw13, dw2
+
+
+def recompute_h(x, w13, expert_sizes, dst_to_src, k: int, tile1):
+    """The forward's w13 GEMM output again (remat), with its tile_m tile1."""
+    return _group_gemm_call(x, w13, expert_sizes, dst_to_src, k, tile1)
+
+
+def w13_vjp(x, w13, expert_sizes, dst_to_src, src_to_dst, k: int, dh, xe=None):
+    """(dx, dw13) of the gathering w13 GEMM for its output cotangent dh:
+    on the kept expanded rows xe where the forward kept them (the weight
+    gradient then gathers nothing), else on x through dst_to_src."""
+    if xe is None:
+        return group_gemm_vjp(x, w13, expert_sizes, dst_to_src, k, dh, src_to_dst)
+    dxe, dw13 = group_gemm_vjp(xe, w13, expert_sizes, None, 1, dh)
+    return gather_transpose(dxe, dst_to_src, k, x.shape[0], src_to_dst), dw13
 
 
 def _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str,

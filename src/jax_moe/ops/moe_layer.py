@@ -12,8 +12,9 @@ from jax_moe import _checks, tuning
 from jax_moe._ffi import INDEX_CHUNK
 from jax_moe.ops._common import SCORING, bias_arg, sds
 from jax_moe.ops.combine import _combine
-from jax_moe.ops.expert_mlp import _expert_mlp_call, _expert_mlp_diff, _mlp_tiles
+from jax_moe.ops.expert_mlp import _expert_mlp_call, _mlp_tiles
 from jax_moe.ops.route import _route
+from jax_moe.ops.routed_experts import routed_experts
 from jax_moe.ops.token_index import _token_index
 
 
@@ -65,21 +66,21 @@ _moe_layer.defvjp(_moe_layer_fwd, _moe_layer_bwd)
 
 def routed_layer(hidden_states, router_logits, w13, w2, e_score_correction_bias,
                  spec: _checks.Layer, start_expert: int = 0, num_local_experts: int | None = None):
-    """Steps 1-7 as differentiable calls (route, token index, expert_mlp,
-    combine; each with its backward on the kernels); with an expert range,
-    only the experts [start_expert, start_expert + num_local_experts) of w13
-    and w2 (which then hold only those) are computed and the other slots
-    count zero. What the backward keeps: the token index, the w13 GEMM's
-    output (unless spec.remat) and the expert outputs, T*k rows each, and
-    the expanded rows where expert_mlp's forward keeps them (_keeps_rows)."""
+    """Steps 1-7 as differentiable calls (route, token index, then steps 3-7
+    as routed_experts; each with its backward on the kernels); with an
+    expert range, only the experts [start_expert, start_expert +
+    num_local_experts) of w13 and w2 (which then hold only those) are
+    computed and the other slots count zero. What the backward keeps: the
+    router's weights and the token index, the w13 GEMM's output (T*k rows
+    of 2I; not with spec.remat) and, where expert_mlp's forward keeps them
+    (_keeps_rows), the expanded rows of the tokens (T*k rows of H)."""
     r = spec.routing
     experts = router_logits.shape[-1]
     local = experts if num_local_experts is None else num_local_experts
     weights, ids = _route(router_logits, e_score_correction_bias, r)
     src_to_dst, dst_to_src, sizes = _token_index(ids, experts, start_expert, local)
-    y = _expert_mlp_diff(hidden_states, w13, w2, sizes, dst_to_src, src_to_dst, r.topk,
-                         spec.activation, spec.is_gated, tuple(spec.tile_m), spec.remat)
-    return _combine(y, weights, src_to_dst, dst_to_src)
+    return routed_experts(hidden_states, w13, w2, weights, sizes, dst_to_src, src_to_dst, r.topk,
+                          spec.activation, spec.is_gated, tuple(spec.tile_m), spec.remat)
 
 
 def _moe_layer_call(hidden_states, router_logits, w13, w2, e_score_correction_bias,
