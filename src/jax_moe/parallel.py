@@ -93,6 +93,7 @@ class _Plan:
     activation: str
     backend: str
     fp8: bool = False       # block-scaled float8_e4m3fn experts (w13_scale, w2_scale)
+    remat: bool = False     # the backward recomputes the w13 GEMM instead of keeping it
 
     @property
     def topk(self):
@@ -133,10 +134,12 @@ def _resolve_axis(mesh: Mesh, name, role: str):
 
 def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_axis,
                renormalize, activation, shared_expert_output, backend, strategy, routing=None,
-               w13_scale=None, w2_scale=None):
+               w13_scale=None, w2_scale=None, remat=False):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     backends.get(backend)  # raises ValueError for an unknown backend
+    if not isinstance(remat, bool):
+        raise TypeError(f"remat must be a bool, got {type(remat).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     w13_3d = _w13_as_3d(w13)
@@ -171,7 +174,8 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
         strategy = "allgather" if n_ep <= AUTO_ALLGATHER_MAX_EP else "all_to_all"
     return _Plan(mesh=mesh, ep=ep, tp=tp, n_ep=n_ep, n_tp=n_tp, strategy=strategy,
                  tokens=hidden_states.shape[0], experts=experts, inter=inter,
-                 routing=spec.routing, activation=activation, backend=backend, fp8=spec.fp8)
+                 routing=spec.routing, activation=activation, backend=backend, fp8=spec.fp8,
+                 remat=remat)
 
 
 def _w13_as_3d(w13):
@@ -193,7 +197,8 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
                         topk_group: int | None = None, e_score_correction_bias=None,
                         routed_scaling_factor: float = 1.0,
                         shared_expert_output=None, backend: str = "ffi",
-                        strategy: str = "auto", w13_scale=None, w2_scale=None):
+                        strategy: str = "auto", w13_scale=None, w2_scale=None,
+                        remat: bool = False):
     """``moe_forward`` over a device mesh, with expert and tensor parallelism.
 
     Takes and returns global arrays, with the shapes of ``moe_forward``:
@@ -220,6 +225,9 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
     the scales are split with their weights, so I must be a multiple of 128
     times the tp axis' size (each device's slice holds whole scale blocks).
 
+    remat: as moe_forward's (each device's backward recomputes its w13 GEMM
+    instead of keeping the output from the forward; float experts).
+
     strategy: "allgather", "all_to_all" or "auto" ("allgather" for ep <= 8).
     Both are dropless. Jittable: topk and every keyword argument except
     shared_expert_output and e_score_correction_bias are static Python values.
@@ -231,7 +239,7 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
                    routed_scaling_factor=routed_scaling_factor)
     plan = _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_axis,
                       renormalize, activation, shared_expert_output, backend, strategy, routing,
-                      w13_scale, w2_scale)
+                      w13_scale, w2_scale, remat)
     tok = P(plan.token_axes, None) if plan.tokens % mesh.size == 0 else P()
     w13_spec = P(plan.ep, None, plan.tp, None) if jnp.ndim(w13) == 4 else P(plan.ep, None, None)
     hidden_states, router_logits, w13, w2, shared_expert_output = (
@@ -398,7 +406,8 @@ def _local_experts(steps: backends.Steps, x, weights, local_ids, w13, w2, plan: 
                                     plan.activation, True)
         return steps.combine(y, weights, src_to_dst, dst_to_src[:rows])
     return steps.routed_experts(x, w13, w2, weights, sizes, dst_to_src[:rows],  # steps 3-7
-                                src_to_dst, k, plan.activation, True, (None, None), False)
+                                src_to_dst, k, plan.activation, True, (None, None),
+                                plan.remat)
 
 
 def _expert_all_to_all(steps: backends.Steps, x, weights, ids, rank, w13, w2, plan: _Plan,
