@@ -78,8 +78,8 @@ class Steps:
 _STEPS = types.MappingProxyType({
     "ffi": Steps(name="ffi", route=_ffi_route, token_index=_ffi_token_index, expand=_ffi_expand,
                  activation=_ffi_activation, expert_mlp=_ffi_expert_mlp, combine=_ffi_combine,
-                 routed_experts=_ffi_routed_experts, moe_layer=_ffi_moe_layer, moe_decode=_ffi_moe_decode,
-                 group_gemm_fp8=_ffi_group_gemm_fp8),
+                 routed_experts=_ffi_routed_experts, moe_layer=_ffi_moe_layer,
+                 moe_decode=_ffi_moe_decode, group_gemm_fp8=_ffi_group_gemm_fp8),
     "reference": Steps(name="reference", route=reference._route,
                        token_index=reference._token_index, expand=reference._expand,
                        activation=reference._activation, expert_mlp=reference._expert_mlp,

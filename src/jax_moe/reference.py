@@ -306,6 +306,7 @@ def _routed_experts(x, w13, w2, topk_weights, expert_sizes, dst_to_src, src_to_d
     y = _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated)
     return _combine(y, topk_weights, src_to_dst, dst_to_src)
 
+
 def _activation(h, activation: str, gated: bool):
     """gated_activation (gated) or activation: computed in f32, in h's dtype."""
     return _act_f32(h.astype(jnp.float32), activation, gated).astype(h.dtype)
@@ -329,6 +330,7 @@ def _act_f32(hf, activation: str, gated: bool):
         return _act(hf, activation)
     inter = hf.shape[-1] // 2
     return _act(hf[..., :inter], activation) * hf[..., inter:]
+
 
 def _combine(y, topk_weights, src_to_dst, dst_to_src=None):
     """dst_to_src: accepted for parity with ops (its backward's hint), not used."""

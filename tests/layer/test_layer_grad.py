@@ -215,7 +215,8 @@ def test_forward_keeps_no_expert_outputs(rng):
     arrays, _ = inputs(rng, tokens, hidden, inter, experts, jnp.float32, k=k)
     m = tokens * k
     for remat in (False, True):
-        _, vjp = jax.vjp(functools.partial(jax_moe.moe_forward, topk=k, remat=remat), *arrays.values())
+        layer = functools.partial(jax_moe.moe_forward, topk=k, remat=remat)
+        _, vjp = jax.vjp(layer, *arrays.values())
         shapes = [tuple(a.shape) for a in jax.tree_util.tree_leaves(vjp)]
         kept = _keeps_rows(m, arrays["hidden_states"], arrays["w13"], (None, None), remat)
         assert shapes.count((m, hidden)) == int(kept), shapes
