@@ -135,7 +135,8 @@ def test_grad_through_ffi_equals_reference(rng):
         assert rel_err(g_ffi[n], g_ref[n]) < 1e-5, n
     # ...and under grad both passes run the custom calls.
     hlo = jax.jit(jax.grad(lambda p: loss(p, "ffi"))).lower(params).as_text()
-    for target in ("jax_moe_group_gemm", "jax_moe_group_gemm_wgrad", "jax_moe_combine_bwd"):
+    for target in ("jax_moe_group_gemm", "jax_moe_group_gemm_wgrad",
+                   "jax_moe_activation_scaled_grad"):
         assert target in hlo, target
 
 
