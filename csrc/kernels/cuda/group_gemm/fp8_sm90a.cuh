@@ -37,6 +37,7 @@ using namespace cute;
 
 constexpr int kSetupThreads = 1024;
 constexpr int kPrepThreads = 256;
+constexpr int kPrepPasses = 4;  // the prep kernel's 256-channel passes a step
 
 using Element = cutlass::float_e4m3_t;
 using ElementD = cutlass::bfloat16_t;
@@ -166,7 +167,8 @@ __global__ void __launch_bounds__(kSetupThreads)
 
 // One warp a row (grid-stride over the rows in the groups): lane l takes 8
 // channels (one 16-byte load; k % 16 == 0 and x 16-byte aligned: all 8 in
-// k or all past it) of each 256-channel pass, 16 lanes a 128-channel block.
+// k or all past it) of each 256-channel pass, 16 lanes a 128-channel block,
+// kPrepPasses passes a step.
 // The row's expert is looked up once. A block's scale from its half-warp's
 // amax, its codes in one 8-byte store, the scale at its place in its
 // expert's packed block. Then w_scale transposed and the rows
@@ -195,23 +197,31 @@ __global__ void __launch_bounds__(kPrepThreads)
     const uint16_t* xr = x + r * k;
     uint8_t* qr = xq + r * k;
     float* sr = sxa + start * kb + (r - start);  // + block * rows
-    for (int64_t pass = 0; pass < kb; pass += 2) {  // uniform across the warp: shuffles below
-      const int64_t c0 = pass * kFp8Block + lane * 8;
-      const bool in_k = c0 < k;
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (in_k) raw = *reinterpret_cast<const uint4*>(xr + c0);
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-      float v[8];
+    // kPrepPasses passes a step, their loads issued first: one 16-byte load
+    // a lane at a time leaves too few bytes in flight to read at the copy rate.
+    for (int64_t pass0 = 0; pass0 < kb; pass0 += 2 * kPrepPasses) {  // uniform: shuffles below
+      uint4 raw[kPrepPasses];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[2 * j] = __uint_as_float(words[j] << 16);
-        v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+      for (int p = 0; p < kPrepPasses; ++p) {
+        const int64_t c0 = (pass0 + 2 * p) * kFp8Block + lane * 8;
+        raw[p] = c0 < k ? *reinterpret_cast<const uint4*>(xr + c0) : make_uint4(0, 0, 0, 0);
       }
-      const float scale = Fp8HalfWarpScale(v);
-      if (!in_k) continue;
-      const uint2 codes = Fp8Codes8(v, 1.0f / scale);
-      *reinterpret_cast<uint2*>(qr + c0) = codes;
-      if ((lane & 15) == 0) sr[(c0 / kFp8Block) * rows] = scale;
+#pragma unroll
+      for (int p = 0; p < kPrepPasses; ++p) {
+        const int64_t c0 = (pass0 + 2 * p) * kFp8Block + lane * 8;
+        const uint32_t words[4] = {raw[p].x, raw[p].y, raw[p].z, raw[p].w};
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          v[2 * j] = __uint_as_float(words[j] << 16);
+          v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+        }
+        const float scale = Fp8HalfWarpScale(v);  // every lane: a pass past k is all zeros
+        if (c0 < k) {
+          *reinterpret_cast<uint2*>(qr + c0) = Fp8Codes8(v, 1.0f / scale);
+          if ((lane & 15) == 0) sr[(c0 / kFp8Block) * rows] = scale;
+        }
+      }
     }
   }
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
