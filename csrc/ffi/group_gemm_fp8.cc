@@ -1,5 +1,7 @@
 // The group_gemm_fp8 handlers (ops.group_gemm_fp8): the grouped GEMM with
-// block-scaled e4m3 weights, x quantised per 128 channels inside the kernel.
+// block-scaled e4m3 weights, x quantised per 128 channels inside the kernel;
+// with a gather, row r of x is the token row x[dst_to_src[r] / topk] (zero
+// for an entry outside the tokens), read where each kernel reads its rows.
 // CPU: csrc/kernels/cpu/group_gemm_fp8.cc (one path: tile_m is only checked).
 // CUDA, by tile_m: 8, the decode form (fp8_skinny.cuh); 64 or 128,
 // CUTLASS's blockwise-scaled fp8 grouped GEMM on Hopper for bf16 x
@@ -28,14 +30,15 @@ namespace {
 
 ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                              const ffi::Buffer<ffi::F32>& w_scale,
-                             const ffi::Buffer<ffi::S32>& sizes, const ffi::AnyBuffer& out,
-                             GemmDims* d) {
+                             const ffi::Buffer<ffi::S32>& sizes, const ffi::Buffer<ffi::S32>& rows,
+                             bool gather, int64_t topk, const ffi::AnyBuffer& out, GemmDims* d) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = w_scale.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3)
     return InvalidArg("group_gemm_fp8: x must be (M, K), w (E, N, K) and w_scale rank 3");
-  *d = {xd[0], xd[1], wd[0], wd[1], xd[0]};
+  const int64_t m = gather ? static_cast<int64_t>(rows.element_count()) : xd[0];
+  *d = {m, xd[1], wd[0], wd[1], xd[0]};
   if (wd[2] != d->k) return InvalidArg("group_gemm_fp8: K of x and w differ");
   if (w.element_type() != ffi::DataType::F8E4M3FN)
     return InvalidArg("group_gemm_fp8: w must be float8_e4m3fn");
@@ -48,6 +51,8 @@ ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
     return InvalidArg("group_gemm_fp8: the output must have x's dtype");
   if (out.element_count() != static_cast<size_t>(d->m * d->n))
     return InvalidArg("group_gemm_fp8: output must be (M, N)");
+  if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
+    return InvalidArg("group_gemm_fp8: topk must be in [1, 2^20]");
   return ffi::Error::Success();
 }
 
@@ -58,15 +63,18 @@ ffi::Error CheckFp8TileM(int64_t tile_m) {
 
 ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
-                           int64_t tile_m, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Buffer<ffi::S32> rows, bool gather, int64_t topk, int64_t tile_m,
+                           ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> /*scratch*/) {
   if (auto err = CheckFp8TileM(tile_m); err.failure()) return err;
   GemmDims d;
-  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
+  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, rows, gather, topk, *out, &d);
+      err.failure())
     return err;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
     GroupGemmFp8<DT>(PoolOf(pool), x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
-                     w_scale.typed_data(), expert_sizes.typed_data(), d, out->untyped_data());
+                     w_scale.typed_data(), expert_sizes.typed_data(),
+                     gather ? rows.typed_data() : nullptr, topk, d, out->untyped_data());
     return ffi::Error::Success();
   });
 }
@@ -74,12 +82,15 @@ ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 #ifdef JAX_MOE_WITH_CUDA
 ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
-                            int64_t tile_m, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Buffer<ffi::S32> rows, bool gather, int64_t topk, int64_t tile_m,
+                            ffi::Result<ffi::AnyBuffer> out,
                             [[maybe_unused]] ffi::Result<ffi::AnyBuffer> scratch) {
   if (auto err = CheckFp8TileM(tile_m); err.failure()) return err;
   GemmDims d;
-  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, *out, &d); err.failure())
+  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, rows, gather, topk, *out, &d);
+      err.failure())
     return err;
+  const int32_t* row_src = gather ? rows.typed_data() : nullptr;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
     // A few rows an expert: the decode form streams the weights once.
@@ -87,8 +98,8 @@ ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
       bool ran_skinny = false;
       const cudaError_t skinny_err = LaunchGroupGemmFp8Skinny(
           stream, DT, x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
-          w_scale.typed_data(), expert_sizes.typed_data(), out->untyped_data(), d, tile_m == 8,
-          &ran_skinny);
+          w_scale.typed_data(), expert_sizes.typed_data(), row_src, topk, out->untyped_data(), d,
+          tile_m == 8, &ran_skinny);
       if (skinny_err != cudaSuccess) return CudaError(skinny_err, "group_gemm_fp8 launch failed");
       if (ran_skinny) return ffi::Error::Success();
     }
@@ -100,6 +111,9 @@ ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
       call.w = static_cast<const uint8_t*>(w.untyped_data());
       call.w_scale = w_scale.typed_data();
       call.sizes = expert_sizes.typed_data();
+      call.rows = row_src;
+      call.topk = topk;
+      call.x_rows = d.x_rows;
       call.out = out->untyped_data();
       call.m = d.m;
       call.n = d.n;
@@ -117,7 +131,7 @@ ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     return CudaError(
         LaunchGroupGemmFp8For(stream, DT, x.untyped_data(),
                               static_cast<const uint8_t*>(w.untyped_data()), w_scale.typed_data(),
-                              expert_sizes.typed_data(), out->untyped_data(), d),
+                              expert_sizes.typed_data(), row_src, topk, out->untyped_data(), d),
         "group_gemm_fp8 launch failed");
   });
 }

@@ -304,6 +304,9 @@ auto GroupGemmFp8Signature(Bound bound) {
       .template Arg<xla::ffi::AnyBuffer>()  // w (E, N, K) float8_e4m3fn
       .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w_scale (E, ceil(N/128), ceil(K/128))
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src of the gather, or empty
+      .template Attr<bool>("gather")
+      .template Attr<int64_t>("topk")
       .template Attr<int64_t>("tile_m")     // 8 decode form, 64 / 128 Hopper tiles, 0 the rule
       .template Ret<xla::ffi::AnyBuffer>()  // out (M, N), x's dtype
       .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)

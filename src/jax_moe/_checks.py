@@ -252,16 +252,23 @@ def fp8_tile_m(value) -> int | None:
     return tile_m(value, FP8_TILE_M)
 
 
-def group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile=None) -> int | None:
-    """group_gemm_fp8's arguments: x (M, K) float, w (E, N, K) float8_e4m3fn
-    with its block scales w_scale (E, ceil(N/128), ceil(K/128)) f32; returns
-    tile_m."""
-    rank(x, "x", 2)
+def group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile=None, dst_to_src=None,
+                        topk_value=1) -> tuple:
+    """group_gemm_fp8's arguments: x (M, K) float (the tokens (T, K) with
+    dst_to_src (M,)), w (E, N, K) float8_e4m3fn with its block scales
+    w_scale (E, ceil(N/128), ceil(K/128)) f32; returns (topk, tile_m)."""
+    if dst_to_src is None:
+        rank(x, "x", 2)
+        float_dtype(x, "x")
+        k = static_int(topk_value, "topk")
+        if k != 1:
+            raise ValueError(f"topk is for a gather: without dst_to_src it must be 1, got {k}")
+    else:
+        k = expand_args(x, dst_to_src, topk_value)
     _weight_ranks(w, expert_sizes)
-    float_dtype(x, "x")
     fp8.check_block_scales(w, w_scale, "w", "w_scale")
     _weight_shapes(x, w, expert_sizes)
-    return fp8_tile_m(tile)
+    return k, fp8_tile_m(tile)
 
 
 def group_gemm_gather_args(x, w, expert_sizes, dst_to_src, topk_value, tile) -> tuple:

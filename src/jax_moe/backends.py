@@ -71,7 +71,8 @@ class Steps:
     moe_layer: Callable
     # (hidden_states, router_logits, w13, w2, Routing) -> (1, H); within moe_decode's limits
     moe_decode: Callable
-    # (x, w float8_e4m3fn, w_scale, expert_sizes) -> (M, N): the block-scaled fp8 grouped GEMM
+    # (x, w float8_e4m3fn, w_scale, expert_sizes, rows=None, topk=1) -> (M, N): the
+    #  block-scaled fp8 grouped GEMM; with rows (dst_to_src), of x's expanded rows
     group_gemm_fp8: Callable
 
 
@@ -100,8 +101,9 @@ def steps(name: str) -> Steps:
 def fp8_expert_mlp(steps: Steps, x, w13, w13_scale, w2, w2_scale, expert_sizes, dst_to_src,
                    topk: int, activation: str, is_gated: bool):
     """Steps 3-6 with block-scaled fp8 expert weights on one backend's steps:
-    the expansion and activation as for float weights, both GEMMs the fp8
-    grouped GEMM (each row of their input quantised per 128 channels)."""
-    h = steps.group_gemm_fp8(steps.expand(x, dst_to_src, topk), w13, w13_scale, expert_sizes)
+    the activation as for float weights, both GEMMs the fp8 grouped GEMM
+    (each row of their input quantised per 128 channels), the first on the
+    tokens' rows gathered by dst_to_src (no expanded copy of x)."""
+    h = steps.group_gemm_fp8(x, w13, w13_scale, expert_sizes, rows=dst_to_src, topk=topk)
     return steps.group_gemm_fp8(steps.activation(h, activation, is_gated), w2, w2_scale,
                                 expert_sizes)

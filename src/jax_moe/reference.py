@@ -83,16 +83,19 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     return _group_gemm(x, w, expert_sizes)
 
 
-def group_gemm_fp8(x, w, w_scale, expert_sizes, *, tile_m: int | None = None):
+def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 1,
+                   tile_m: int | None = None):
     """group_gemm with block-scaled fp8 weights, the DeepSeek-V3 recipe: w
     (E, N, K) float8_e4m3fn with one f32 scale per 128 x 128 block, w_scale
     (E, ceil(N/128), ceil(K/128)) (dequantised weight = value x scale); each
     row of x (M, K) quantised to e4m3 per 128 channels (jax_moe.fp8.
     quantize_rows); f32 accumulation with both scales applied per K block
-    -> (M, N) in x's dtype. Rows are owned as in group_gemm. tile_m is
-    accepted for signature parity with ops and checked, not used."""
-    _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m)
-    return _group_gemm_fp8(x, w, w_scale, expert_sizes)
+    -> (M, N) in x's dtype. Rows are owned as in group_gemm. With dst_to_src
+    (M,), x holds the tokens (T, K) and its rows are moe_expand_input's
+    (steps 3 and 4). tile_m is accepted for signature parity with ops and
+    checked, not used."""
+    k, _ = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m, dst_to_src, topk)
+    return _group_gemm_fp8(x, w, w_scale, expert_sizes, dst_to_src, k)
 
 
 def group_gemm_gather(x, w, expert_sizes, dst_to_src, topk: int, *, tile_m: int | None = None):
@@ -271,7 +274,10 @@ def _group_gemm(x, w, expert_sizes):
     return out.astype(x.dtype)
 
 
-def _group_gemm_fp8(x, w, w_scale, expert_sizes):
+def _group_gemm_fp8(x, w, w_scale, expert_sizes, rows=None, topk: int = 1):
+    """rows: dst_to_src (x: the tokens) or None."""
+    if rows is not None:
+        x = _expand(x, rows, topk)
     # The per-block sums sx * sw * sum(xq * wq) equal sum((xq sx) (wq sw)):
     # each product of two e4m3 values is exact in f32, so the twin runs the
     # f32 grouped GEMM on both operands dequantised. The barriers keep x and

@@ -106,6 +106,8 @@ def test_lowers_to_the_fp8_gemm(rng):
     text = jax.jit(lambda a: jax_moe.moe_forward(**a, topk=2)).lower(a).as_text()
     assert text.count("jax_moe_group_gemm_fp8") == 2
     assert "jax_moe_moe_layer" not in text
+    # The gate/up GEMM reads the token rows itself: no expanded copy of x.
+    assert "jax_moe_expand" not in text
 
 
 def _bad(rng, case):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import DTYPE_IDS, FLOAT_DTYPES, normal, on_cpu, rel_err
+from common import DTYPE_IDS, FLOAT_DTYPES, gather_rows, normal, on_cpu, rel_err
 from jax_moe import fp8, ops, reference
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -165,6 +165,62 @@ def test_every_tile_matches_the_twin(rng, tile_m, shape, dtype):
     np.testing.assert_array_equal(np.asarray(call(x, w, ws, sizes), np.float64), got)
     owned = min(sum(max(int(s), 0) for s in np.asarray(sizes)), x.shape[0])
     assert not np.any(got[owned:])  # rows past the groups
+
+
+def _gather_case(rng, dtype, shape, topk=2):
+    """Tokens x (T, K) and a routing's dst_to_src (with invalid entries) whose
+    rows make a case of `shape`'s sizes: (x, dst_to_src, w, w_scale, sizes)."""
+    _, n, k, sizes = SHAPES[shape]
+    experts = len(sizes)
+    tokens = max(sum(sizes) // topk, 1)
+    x = normal(rng, (tokens, k), jnp.float32).astype(dtype)
+    d2s, sizes = gather_rows(rng, tokens, topk, experts)
+    w, ws = _weights(rng, experts, n, k)
+    return x, d2s, w, ws, sizes
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tile_m", [8, 64, 128])
+@pytest.mark.parametrize("shape", ["skinny", "tma", "offgrid"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+def test_gather_equals_the_expanded_rows(rng, tile_m, shape, dtype):
+    # Each kernel reading the token rows through dst_to_src (invalid entries:
+    # zero rows) gives the bits it gives on moe_expand_input's rows, and the
+    # twin's values.
+    topk = 2
+    x, d2s, w, ws, sizes = _gather_case(rng, dtype, shape, topk)
+    gathered = jax.jit(lambda *a: ops.group_gemm_fp8(*a[:4], dst_to_src=a[4], topk=topk,
+                                                     tile_m=tile_m))
+    plain = jax.jit(lambda *a: ops.group_gemm_fp8(*a, tile_m=tile_m))
+    got = np.asarray(gathered(x, w, ws, sizes, d2s), np.float64)
+    expanded = reference.moe_expand_input(x, d2s, topk)
+    np.testing.assert_array_equal(got, np.asarray(plain(expanded, w, ws, sizes), np.float64))
+    want = np.asarray(on_cpu(lambda *a: reference.group_gemm_fp8(
+        *a[:4], dst_to_src=a[4], topk=topk), x, w, ws, sizes, d2s), np.float64)
+    assert got.shape == want.shape == (d2s.shape[0], w.shape[1])
+    assert rel_err(got, want) <= TOL[dtype]
+
+
+def test_gather_of_no_tokens_is_zero(rng):
+    # T = 0: every entry is outside the tokens, every row zero.
+    x, d2s, w, ws, sizes = _gather_case(rng, jnp.bfloat16, "tma")
+    none = jnp.zeros((0, x.shape[1]), x.dtype)
+    got = ops.group_gemm_fp8(none, w, ws, sizes, dst_to_src=d2s, topk=2)
+    assert got.shape == (d2s.shape[0], w.shape[1]) and not np.any(np.asarray(got, np.float32))
+
+
+@pytest.mark.parametrize("case", ["topk_without_gather", "d2s_rank", "d2s_float", "topk_zero"])
+def test_gather_argument_errors(rng, case):
+    x, d2s, w, ws, sizes = _gather_case(rng, jnp.bfloat16, "tma")
+    kwargs, match = {
+        "topk_without_gather": (dict(topk=2), "topk"),
+        "d2s_rank": (dict(dst_to_src=d2s[None], topk=2), "dst_to_src"),
+        "d2s_float": (dict(dst_to_src=d2s.astype(jnp.float32), topk=2), "dst_to_src"),
+        "topk_zero": (dict(dst_to_src=d2s, topk=0), "topk"),
+    }[case]
+    for fn in (ops.group_gemm_fp8, reference.group_gemm_fp8):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fn(x, w, ws, sizes, **kwargs)
 
 
 @pytest.mark.parametrize("tile_m", [16, 256, 0, "64"])

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/common/fp8_e4m3.h"
+#include "kernels/common/numeric.h"
 #include "kernels/cpu/dot.h"
 #include "kernels/cpu/gemm_items.h"
 
@@ -35,7 +36,8 @@ void QuantizeRow(const float* x, int64_t k, float* values, float* scales) {
 
 template <DType DT>
 void GroupGemmFp8(const TaskPool& pool, const void* x_raw, const uint8_t* w, const float* w_scale,
-                  const int32_t* sizes, const GemmDims& d, void* out_raw) {
+                  const int32_t* sizes, const int32_t* rows, int64_t topk, const GemmDims& d,
+                  void* out_raw) {
   const int64_t m = d.m, n = d.n, k = d.k;
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
   using S = HostScalar<DT>;
@@ -55,7 +57,8 @@ void GroupGemmFp8(const TaskPool& pool, const void* x_raw, const uint8_t* w, con
     for (int64_t j = 0; j < cols * k; ++j) wf[j] = Fp8ToFloat(wsrc[j]);
     const float* ws = w_scale + it.expert * nb * kb;
     for (int64_t r = it.row0; r < it.row0 + it.count; ++r) {
-      for (int64_t c = 0; c < k; ++c) xf[c] = S::Load(x[r * k + c]);
+      const int64_t from = rows == nullptr ? r : ExpandSourceRow(rows[r], topk, d.x_rows * topk);
+      for (int64_t c = 0; c < k; ++c) xf[c] = from >= 0 ? S::Load(x[from * k + c]) : 0.f;
       QuantizeRow(xf.data(), k, xq.data(), sx.data());
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t col = it.col0 + c;
@@ -74,10 +77,13 @@ void GroupGemmFp8(const TaskPool& pool, const void* x_raw, const uint8_t* w, con
 }
 
 template void GroupGemmFp8<DType::F32>(const TaskPool&, const void*, const uint8_t*,
-                                       const float*, const int32_t*, const GemmDims&, void*);
+                                       const float*, const int32_t*, const int32_t*, int64_t,
+                                       const GemmDims&, void*);
 template void GroupGemmFp8<DType::BF16>(const TaskPool&, const void*, const uint8_t*,
-                                        const float*, const int32_t*, const GemmDims&, void*);
+                                        const float*, const int32_t*, const int32_t*, int64_t,
+                                        const GemmDims&, void*);
 template void GroupGemmFp8<DType::F16>(const TaskPool&, const void*, const uint8_t*,
-                                       const float*, const int32_t*, const GemmDims&, void*);
+                                       const float*, const int32_t*, const int32_t*, int64_t,
+                                       const GemmDims&, void*);
 
 }  // namespace jax_moe

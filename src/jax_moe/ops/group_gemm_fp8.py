@@ -12,7 +12,8 @@ from jax_moe._int32 import index_int32
 from jax_moe.ops._common import sds
 
 
-def group_gemm_fp8(x, w, w_scale, expert_sizes, *, tile_m: int | None = None):
+def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 1,
+                   tile_m: int | None = None):
     """group_gemm with block-scaled fp8 weights, the DeepSeek-V3 recipe (the
     twin: reference.group_gemm_fp8): w (E, N, K) float8_e4m3fn with one f32
     scale per 128 x 128 block, w_scale (E, ceil(N/128), ceil(K/128)) (the
@@ -24,6 +25,11 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, tile_m: int | None = None):
     past sum(expert_sizes) are zero. A block scale or input holding NaN or
     infinity makes NaN of the outputs it reaches, and no others.
 
+    With dst_to_src (M,), x holds the tokens (T, K) and row r is
+    x[dst_to_src[r] // topk], a zero row where dst_to_src[r] is outside
+    [0, T * topk): steps 3 and 4 in one call, each kernel reading the token
+    rows where it reads its rows (moe_expand_input's rows are not written).
+
     Kernels, by tile_m (None: the GPU model's tuning table, else
     jax_moe.tuning.default_fp8_tile_m): on CUDA, 8 is a decode kernel (the
     weights streamed once into tensor cores; K a multiple of 16), 64 and 128
@@ -32,13 +38,15 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, tile_m: int | None = None):
     scratch output first). Where the chosen kernel does not apply, CUTLASS's
     with its own tile rule, then a portable SIMT kernel. The CPU has one
     kernel. Not differentiable (fp8 weights are for inference)."""
-    tile = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m)
-    return _group_gemm_fp8(x, w, w_scale, expert_sizes, tile)
+    k, tile = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m, dst_to_src, topk)
+    return _group_gemm_fp8(x, w, w_scale, expert_sizes, tile, dst_to_src, k)
 
 
-def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None):
-    """group_gemm_fp8 on checked arguments (tile_m None: tuned)."""
-    m, k = x.shape
+def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None, rows=None, topk: int = 1):
+    """group_gemm_fp8 on checked arguments (tile_m None: tuned; rows:
+    dst_to_src or None)."""
+    m = x.shape[0] if rows is None else rows.shape[0]
+    k = x.shape[1]
     experts, n = w.shape[:2]
     tile = tuning.group_gemm_fp8_tile_m(m, experts, n, k, x.dtype, tile_m)
     # The Hopper path's group arrays, workspace and quantised x live in a
@@ -50,5 +58,8 @@ def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None):
     call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8",
                             (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
                             vmap_method="sequential")
-    out, _ = call(x, w, w_scale, index_int32(expert_sizes), tile_m=np.int64(tile))
+    gather = rows is not None
+    rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
+    out, _ = call(x, w, w_scale, index_int32(expert_sizes), rows, gather=gather,
+                  topk=np.int64(topk), tile_m=np.int64(tile))
     return out

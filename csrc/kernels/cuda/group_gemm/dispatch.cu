@@ -183,14 +183,15 @@ cudaError_t LaunchGroupGemmFor(cudaStream_t stream, DType dtype, const void* x,
 
 cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* x,
                                   const uint8_t* w, const float* w_scale, const int32_t* sizes,
-                                  void* out, const GemmDims& d) {
+                                  const int32_t* rows, int64_t topk, void* out,
+                                  const GemmDims& d) {
   auto launch = [&]<DType DT>() {
     using S = Fp8Storage<DT>;
     GemmArgs a{};
     a.m = d.m;
     a.n = d.n;
     a.k = d.k;
-    a.src = RowSource{nullptr, 1, d.m};
+    a.src = RowSource{rows, topk, d.x_rows * topk};
     a.vec_in = d.k % 16 == 0 && Aligned16(w);  // 16 codes a load
     a.vec_out = d.n % static_cast<int64_t>(16 / sizeof(S)) == 0 && Aligned16(out);
     const unsigned grid = Schedule(a, d.groups, kF8BM, kF8BN);
@@ -202,8 +203,8 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
 
 cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
                                      const uint8_t* w, const float* w_scale,
-                                     const int32_t* sizes, void* out, const GemmDims& d,
-                                     bool any_rows, bool* ran) {
+                                     const int32_t* sizes, const int32_t* rows, int64_t topk,
+                                     void* out, const GemmDims& d, bool any_rows, bool* ran) {
   *ran = false;
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   const int64_t smem = Fp8DecodeSmem(d.groups, d.k);
@@ -229,7 +230,8 @@ cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const voi
         1, std::min<int64_t>(passes * chunks, static_cast<int64_t>(per_sm) * DeviceSms()));
     return LaunchKernel(kernel, static_cast<unsigned>(grid), kFp8SkinnyThreads,
                         static_cast<size_t>(smem), stream, false, static_cast<const S*>(x), w,
-                        w_scale, sizes, static_cast<S*>(out), d.m, d.n, d.k, d.groups);
+                        w_scale, sizes, rows, topk, d.x_rows * topk, static_cast<S*>(out), d.m,
+                        d.n, d.k, d.groups);
   };
   return WithFloatDType(dtype, launch);
 }

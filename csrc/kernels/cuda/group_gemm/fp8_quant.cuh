@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "kernels/common/fp8_e4m3.h"
+#include "kernels/common/numeric.h"
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace jax_moe {
@@ -80,11 +81,14 @@ using Fp8Storage = std::conditional_t<DT == DType::F32, float, uint16_t>;
 // Rows [0, rows) of src (row pitch k elements, k % 8 == 0, 16-byte aligned)
 // quantised by the whole block into xq (row pitch kp = kb * 128 bytes; codes
 // past k are zero) and their block scales into sx (row pitch kb): a task is
-// 8 channels, a half-warp a 128-channel block. Ends with the block at a
-// barrier, xq and sx written.
+// 8 channels, a half-warp a 128-channel block. With `gather` (dst_to_src
+// entries of these rows), row i is instead src's row gather[i] / topk, a zero
+// row outside [0, limit). Ends with the block at a barrier, xq and sx written.
 template <DType DT>
 __device__ void Fp8QuantiseRows(const Fp8Storage<DT>* __restrict__ src, int64_t k, int rows,
-                                uint8_t* xq, float* sx, int64_t kb) {
+                                uint8_t* xq, float* sx, int64_t kb,
+                                const int32_t* __restrict__ gather = nullptr, int64_t topk = 1,
+                                int64_t limit = 0) {
   const int64_t kp = kb * kFp8Block, per_row = kp / 8;
   const int64_t tasks = rows * per_row;
   const int lane = threadIdx.x & 31;
@@ -93,8 +97,11 @@ __device__ void Fp8QuantiseRows(const Fp8Storage<DT>* __restrict__ src, int64_t 
     const int64_t t = t0 + threadIdx.x;
     const int64_t row = t / per_row, c0 = (t % per_row) * 8;
     float v[8];
-    if (t < tasks && c0 < k) {  // k % 8 == 0: all 8 in k
-      const Fp8Storage<DT>* p = src + row * k + c0;
+    const int64_t from = gather == nullptr || t >= tasks
+                             ? row
+                             : ExpandSourceRow(gather[row], topk, limit);
+    if (t < tasks && c0 < k && from >= 0) {  // k % 8 == 0: all 8 in k
+      const Fp8Storage<DT>* p = src + from * k + c0;
       if constexpr (DT == DType::F32) {
         const float4 a = *reinterpret_cast<const float4*>(p);
         const float4 b = *reinterpret_cast<const float4*>(p + 4);

@@ -38,7 +38,8 @@ __device__ __forceinline__ float Fp8LoadX(const Fp8Storage<DT>* p) {
 template <DType DT>
 __device__ void GemmTileFp8(const Fp8Storage<DT>* __restrict__ x, const uint8_t* __restrict__ w,
                             const float* __restrict__ w_scale, Fp8Storage<DT>* __restrict__ out,
-                            const Tile& tile, int64_t n0, int64_t n, int64_t k, bool vec_w) {
+                            const Tile& tile, const RowSource& src, int64_t n0, int64_t n,
+                            int64_t k, bool vec_w) {
   __shared__ __align__(16) __half sa[kFp8Block][kF8Ld];  // x's values, [channel][row]
   __shared__ __align__(16) __half sb[kFp8Block][kF8Ld];  // w's values, [channel][column]
   __shared__ float s_sx[kF8BM];                          // x's scale of each row
@@ -47,7 +48,7 @@ __device__ void GemmTileFp8(const Fp8Storage<DT>* __restrict__ x, const uint8_t*
   const int ty = tid >> 4, tx = tid & 15;         // compute: 16 x 16 threads, 4 x 4 each
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block;
   const int64_t nb = (n + kFp8Block - 1) / kFp8Block;
-  const int64_t xr = tile.row0 + lr < tile.row_lim ? tile.row0 + lr : -1;
+  const int64_t xr = tile.row0 + lr < tile.row_lim ? src.Row(tile.row0 + lr) : -1;
   const Fp8Storage<DT>* xrow = xr >= 0 ? x + xr * k : nullptr;
   const uint8_t* wrow = n0 + lr < n ? w + (tile.expert * n + n0 + lr) * k : nullptr;
   const float* ws = w_scale + (tile.expert * nb + n0 / kFp8Block) * kb;
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kThreads)
                        const float* __restrict__ w_scale, const int32_t* __restrict__ sizes,
                        Fp8Storage<DT>* __restrict__ out, GemmArgs a) {
   ForEachTile<kF8BM, kF8BN>(a, sizes, out, [&](const Tile& tile, int64_t n0) {
-    GemmTileFp8<DT>(x, w, w_scale, out, tile, n0, a.n, a.k, a.vec_in);
+    GemmTileFp8<DT>(x, w, w_scale, out, tile, a.src, n0, a.n, a.k, a.vec_in);
   });
 }
 

@@ -51,7 +51,8 @@ template <DType DT>
 __global__ void __launch_bounds__(kFp8SkinnyThreads)
     GroupGemmFp8SkinnyKernel(const Fp8Storage<DT>* __restrict__ x,
                              const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
-                             const int32_t* __restrict__ sizes, Fp8Storage<DT>* __restrict__ out,
+                             const int32_t* __restrict__ sizes, const int32_t* __restrict__ rows,
+                             int64_t topk, int64_t limit, Fp8Storage<DT>* __restrict__ out,
                              int64_t m, int64_t n, int64_t k, int64_t groups) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
@@ -103,7 +104,8 @@ __global__ void __launch_bounds__(kFp8SkinnyThreads)
 
     // The pass's rows, quantised. Rows past rn are left as they are: they
     // only reach the mma's columns of those rows, which are never stored.
-    Fp8QuantiseRows<DT>(x + r0 * k, k, rn, xq, sx, kb);
+    if (rows != nullptr) Fp8QuantiseRows<DT>(x, k, rn, xq, sx, kb, rows + r0, topk, limit);
+    else Fp8QuantiseRows<DT>(x + r0 * k, k, rn, xq, sx, kb);
 
     // Warp: weight rows col0 + g and col0 + g + 8 on the mma's M side, the
     // pass's rows (tokens, row g of xq for lane (g, q)) on N.

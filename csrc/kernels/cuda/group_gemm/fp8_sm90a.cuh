@@ -4,7 +4,8 @@
 //  1. a one-block set-up kernel writes each expert's problem (rows, n, k),
 //     pointers, strides and scale layouts (the shapes depend on expert_sizes,
 //     which live on the device);
-//  2. a prep kernel quantises x per row and 128 channels into the scratch
+//  2. a prep kernel quantises x per row (gathered from the tokens' rows with
+//     a gather) and 128 channels into the scratch
 //     (kernels/common/fp8_e4m3.h's rule: the same codes as the CPU kernel and
 //     the twin), each expert's scales M-major and packed ([block][row of the
 //     expert], from the expert's first row times the blocks on: CUTLASS
@@ -174,7 +175,8 @@ __global__ void __launch_bounds__(kSetupThreads)
 // expert's packed block. Then w_scale transposed and the rows
 // [row0[groups], m) of out zeroed (16-byte stores, n % 8 == 0).
 __global__ void __launch_bounds__(kPrepThreads)
-    Fp8PrepKernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ xq,
+    Fp8PrepKernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ gather,
+                  int64_t topk, int64_t limit, uint8_t* __restrict__ xq,
                   float* __restrict__ sxa, const float* __restrict__ w_scale,
                   float* __restrict__ swt, uint4* __restrict__ out,
                   const int64_t* __restrict__ row0, int64_t m, int64_t n, int64_t k,
@@ -194,7 +196,10 @@ __global__ void __launch_bounds__(kPrepThreads)
       else hi = mid - 1;
     }
     const int64_t start = row0[lo], rows = row0[lo + 1] - start;
-    const uint16_t* xr = x + r * k;
+    // The row's source: row r of x, or with a gather the token row of entry r
+    // (none: a zero row, whose codes and scale are those of zeros).
+    const int64_t from = gather == nullptr ? r : ExpandSourceRow(gather[r], topk, limit);
+    const uint16_t* xr = x + (from >= 0 ? from : 0) * k;
     uint8_t* qr = xq + r * k;
     float* sr = sxa + start * kb + (r - start);  // + block * rows
     // kPrepPasses passes a step, their loads issued first: one 16-byte load
@@ -204,7 +209,8 @@ __global__ void __launch_bounds__(kPrepThreads)
 #pragma unroll
       for (int p = 0; p < kPrepPasses; ++p) {
         const int64_t c0 = (pass0 + 2 * p) * kFp8Block + lane * 8;
-        raw[p] = c0 < k ? *reinterpret_cast<const uint4*>(xr + c0) : make_uint4(0, 0, 0, 0);
+        raw[p] = c0 < k && from >= 0 ? *reinterpret_cast<const uint4*>(xr + c0)
+                                     : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int p = 0; p < kPrepPasses; ++p) {
@@ -295,7 +301,8 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   const int64_t cap = static_cast<int64_t>(sms) * 8;
   const unsigned prep_blocks = static_cast<unsigned>(want < sms ? sms : (want < cap ? want : cap));
   Fp8PrepKernel<<<prep_blocks, kPrepThreads, 0, c.stream>>>(
-      static_cast<const uint16_t*>(c.x), xq, sxa, c.w_scale, swt, static_cast<uint4*>(c.out),
+      static_cast<const uint16_t*>(c.x), c.rows, c.topk, c.x_rows * c.topk, xq, sxa, c.w_scale,
+      swt, static_cast<uint4*>(c.out),
       row0, c.m, c.n, c.k, c.groups);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -12,12 +12,17 @@ namespace jax_moe {
 
 // One group_gemm_fp8 call: out (m, n) bf16 = rows of x (m, k) bf16, quantised
 // per 128 channels, grouped by expert times the block-scaled e4m3 w[e]^T.
+// With a gather, row r of x is x[rows[r] / topk] (x (x_rows, k)), a zero row
+// outside [0, x_rows * topk).
 struct Sm90Fp8Call {
   cudaStream_t stream;
-  const void* x;          // (m, k) bf16
+  const void* x;          // (m, k) bf16, or (x_rows, k) with a gather
   const uint8_t* w;       // (groups, n, k) e4m3 codes
   const float* w_scale;   // (groups, ceil(n/128), ceil(k/128))
   const int32_t* sizes;   // (groups,) rows per expert (device)
+  const int32_t* rows;    // (m,) dst_to_src of the gather (device), or null
+  int64_t topk;
+  int64_t x_rows;
   void* out;              // (m, n) bf16
   int64_t m, n, k, groups;
   void* scratch;          // the call's scratch output (device)

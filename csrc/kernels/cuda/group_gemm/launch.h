@@ -32,10 +32,13 @@ cudaError_t LaunchGroupGemmFor(cudaStream_t stream, DType dtype, const void* x,
 // `stream`: out (d.m, d.n) = rows of x, quantised per 128 channels, grouped
 // by expert times the block-scaled e4m3 w[e]^T (w (d.groups, d.n, d.k) codes,
 // w_scale (d.groups, ceil(d.n/128), ceil(d.k/128)) f32), as
-// kernels/cpu/group_gemm_fp8.h; rows past sum(sizes) zero. d.m > 0, d.n > 0.
+// kernels/cpu/group_gemm_fp8.h; rows past sum(sizes) zero. With `rows`
+// (dst_to_src of a gather, d.m entries), row r of x is x[rows[r] / topk], a
+// zero row outside [0, d.x_rows * topk). d.m > 0, d.n > 0.
 cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* x,
                                   const uint8_t* w, const float* w_scale, const int32_t* sizes,
-                                  void* out, const GemmDims& d);
+                                  const int32_t* rows, int64_t topk, void* out,
+                                  const GemmDims& d);
 
 // The fp8 grouped GEMM's decode form (fp8_skinny.cuh), the same call as
 // LaunchGroupGemmFp8For, for at most 2 rows an expert on average (m <= 2 *
@@ -48,8 +51,8 @@ cudaError_t LaunchGroupGemmFp8For(cudaStream_t stream, DType dtype, const void* 
 // caller's explicit choice of the decode form).
 cudaError_t LaunchGroupGemmFp8Skinny(cudaStream_t stream, DType dtype, const void* x,
                                      const uint8_t* w, const float* w_scale,
-                                     const int32_t* sizes, void* out, const GemmDims& d,
-                                     bool any_rows, bool* ran);
+                                     const int32_t* sizes, const int32_t* rows, int64_t topk,
+                                     void* out, const GemmDims& d, bool any_rows, bool* ran);
 
 // Whether the current device runs programmatic dependent launch (compute
 // capability 9.0+), for a caller that chains LaunchGroupGemmFor with other
