@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "ffi/ffi_common.h"
+#include "ffi/shape_checks.h"
 #include "ffi/targets.h"
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/cpu/group_gemm_fp8.h"
@@ -51,8 +52,9 @@ ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
     return InvalidArg("group_gemm_fp8: the output must have x's dtype");
   if (out.element_count() != static_cast<size_t>(d->m * d->n))
     return InvalidArg("group_gemm_fp8: output must be (M, N)");
-  if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
-    return InvalidArg("group_gemm_fp8: topk must be in [1, 2^20]");
+  if (gather) {
+    if (auto err = CheckGatherTopk("group_gemm_fp8", topk); err.failure()) return err;
+  }
   return ffi::Error::Success();
 }
 

@@ -88,6 +88,14 @@ inline ffi::Error CheckMoeDecode(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// A gather's topk (dst_to_src entries name token rows entry / topk): within
+// [1, 2^20], as Python's checks bound it.
+inline ffi::Error CheckGatherTopk(const char* op, int64_t topk) {
+  if (topk < 1 || topk > (int64_t{1} << 20))
+    return InvalidArg(std::string(op) + ": topk must be in [1, 2^20]");
+  return ffi::Error::Success();
+}
+
 // x (M, K), or with `gather` x (T, K) and rows (M,) naming token rows (step 3
 // fused into the GEMM); w (E, N, K); out (M, N).
 inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
@@ -110,8 +118,9 @@ inline ffi::Error CheckGroupGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
     return InvalidArg("group_gemm: x, w and the output must share a dtype");
   if (out.element_count() != static_cast<size_t>(d->m * d->n))
     return InvalidArg("group_gemm: output must be (M, N)");
-  if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
-    return InvalidArg("group_gemm: topk must be in [1, 2^20]");
+  if (gather) {
+    if (auto err = CheckGatherTopk("group_gemm", topk); err.failure()) return err;
+  }
   // 16: the TMA decode kernel where it applies (CUDA, compute capability 9.0+;
   // else 8). 256: the CUTLASS sm90 kernel where it applies (CUDA only; else 128).
   if (tile_m != 8 && tile_m != 16 && tile_m != 32 && tile_m != 64 && tile_m != 128 &&
@@ -149,8 +158,7 @@ inline ffi::Error CheckExpertMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
       h.element_count() != static_cast<size_t>(m * n1) ||
       a.element_count() != static_cast<size_t>(m * inter))
     return InvalidArg("expert_mlp: out must be (M, H), the scratch (M, N) and (M, I)");
-  if (topk < 1 || topk > (int64_t{1} << 20))
-    return InvalidArg("expert_mlp: topk must be in [1, 2^20]");
+  if (auto err = CheckGatherTopk("expert_mlp", topk); err.failure()) return err;
   if (activation < kSilu || activation > kGeluTanh) return InvalidArg("unknown activation code");
   for (int64_t tm : {tile_m1, tile_m2})
     if (tm != 8 && tm != 16 && tm != 32 && tm != 64 && tm != 128)
@@ -297,8 +305,9 @@ inline ffi::Error CheckGroupGemmWgrad(const ffi::AnyBuffer& dy, const ffi::AnyBu
   if (auto err = CheckFloat(dy.element_type(), "group_gemm_wgrad: dy"); err.failure()) return err;
   if (x.element_type() != dy.element_type() || out.element_type() != dy.element_type())
     return InvalidArg("group_gemm_wgrad: dy, x and the output must share a dtype");
-  if (gather && (topk < 1 || topk > (int64_t{1} << 20)))
-    return InvalidArg("group_gemm_wgrad: topk must be in [1, 2^20]");
+  if (gather) {
+    if (auto err = CheckGatherTopk("group_gemm_wgrad", topk); err.failure()) return err;
+  }
   return ffi::Error::Success();
 }
 
