@@ -144,7 +144,8 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     per 128 channels); the rest of the layer is unchanged. On the GPU one
     token (H and I multiples of 16) runs everything after the router in one
     kernel (the jax_moe_moe_decode_fp8 custom call), with the same rounding
-    points. Not differentiable with fp8 weights (inference).
+    points. Not differentiable with fp8 weights (inference): on "ffi",
+    jax.grad through the experts raises a TypeError.
 
     backend: "ffi" (the custom calls) or "reference" (plain jax.numpy); see
     jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``

@@ -145,3 +145,36 @@ def test_moe_layer_takes_fp8_scales(rng):
                                 w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   np.asarray(forward(a, "ffi", topk=2), np.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 12], ids=["one_token", "T12"])
+def test_gradient_through_fp8_experts_is_a_clear_error(rng, tokens):
+    # The fp8 GEMMs (and on the GPU the one-token kernel) have no backward:
+    # jax.grad with respect to the tokens says so, naming the scales and the
+    # way out, rather than JAX's error about an FFI call.
+    a = layer_inputs(rng, tokens, 128, 128, 4, jnp.float32)
+
+    def loss(x):
+        return jnp.sum(jax_moe.moe_forward(**dict(a, hidden_states=x), topk=2) ** 2)
+
+    with pytest.raises(TypeError, match="w13_scale / w2_scale.*backend='reference'"):
+        jax.grad(loss)(a["hidden_states"])
+    with pytest.raises(TypeError, match="are for inference"):
+        jax.grad(lambda x: jnp.sum(jax_moe.ops.group_gemm_fp8(
+            x, a["w13"], a["w13_scale"], jnp.asarray([tokens, 0, 0, 0], jnp.int32))))(
+                a["hidden_states"])
+
+
+def test_router_gradient_with_fp8_experts_matches_twin(rng):
+    # The expert outputs do not depend on the router logits, so their
+    # gradient (through the combine's weights) needs no fp8 backward; the
+    # kernels' matches the twin's.
+    a = layer_inputs(rng, 12, 128, 128, 4, jnp.float32)
+
+    def grad(backend):
+        return jax.jit(jax.grad(lambda lg: jnp.sum(jax_moe.moe_forward(
+            **dict(a, router_logits=lg), topk=2, backend=backend) ** 2)))(a["router_logits"])
+
+    got, want = grad("ffi"), grad("reference")
+    assert np.all(np.isfinite(np.asarray(got))) and np.any(np.asarray(want))
+    assert rel_err(got, want) <= TOL[jnp.dtype(jnp.float32)]

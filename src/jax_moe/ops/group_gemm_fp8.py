@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,8 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 
     Hopper for bf16 x (N a multiple of 8, K of 16; x quantised into the
     scratch output first). Where the chosen kernel does not apply, CUTLASS's
     with its own tile rule, then a portable SIMT kernel. The CPU has one
-    kernel. Not differentiable (fp8 weights are for inference)."""
+    kernel. Not differentiable (fp8 weights are for inference): jax.grad
+    through it raises a TypeError saying so."""
     k, tile = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m, dst_to_src, topk)
     return _group_gemm_fp8(x, w, w_scale, expert_sizes, tile, dst_to_src, k)
 
@@ -55,11 +58,38 @@ def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None, rows=None, topk: i
     sm90 = (m > 0 and experts > 0 and not tuning.fp8_decode_runs(tile, experts, k)
             and tuning.fp8_sm90_usable(n, k, x.dtype))
     scratch = _ext.group_gemm_fp8_sm90_scratch_bytes(m, n, k, experts) if sm90 else 0
+    gather = rows is not None
+    rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
+    return _fp8_call(x, w, w_scale, index_int32(expert_sizes), rows, (m, n, scratch),
+                     gather, topk, tile)
+
+
+NOT_DIFFERENTIABLE = (
+    "the fp8 expert GEMMs have no gradient: block-scaled fp8 weights (moe_forward's "
+    "w13_scale / w2_scale, ops.group_gemm_fp8) are for inference on backend='ffi'. "
+    "Differentiate with backend='reference' (the dequantised math, in plain jax.numpy), "
+    "or train bf16 weights (jax_moe.fp8.dequantize_blocks).")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fp8_call(x, w, w_scale, expert_sizes, rows, shapes, gather: bool, topk: int, tile: int):
+    """The custom call; jax.grad through it raises NOT_DIFFERENTIABLE (JAX's
+    own error for an FFI call names the target and suggests a custom rule)."""
+    m, n, scratch = shapes
     call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8",
                             (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
                             vmap_method="sequential")
-    gather = rows is not None
-    rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
-    out, _ = call(x, w, w_scale, index_int32(expert_sizes), rows, gather=gather,
-                  topk=np.int64(topk), tile_m=np.int64(tile))
+    out, _ = call(x, w, w_scale, expert_sizes, rows, gather=gather, topk=np.int64(topk),
+                  tile_m=np.int64(tile))
     return out
+
+
+def _fp8_call_fwd(*args):
+    return _fp8_call(*args), None
+
+
+def _fp8_call_bwd(*_):
+    raise TypeError(NOT_DIFFERENTIABLE)
+
+
+_fp8_call.defvjp(_fp8_call_fwd, _fp8_call_bwd)
