@@ -31,6 +31,12 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # jnp.finfo(float8_e4m3fn).max
 INV_FP8_MAX = np.float32(1.0 / FP8_MAX)
 
+# What jax.grad with respect to block-scaled fp8 weights raises (TypeError).
+FROZEN_WEIGHTS = (
+    "block-scaled fp8 expert weights (moe_forward's w13 / w2 with w13_scale / w2_scale, "
+    "group_gemm_fp8's w / w_scale) are frozen: they have no gradient. Train bf16 "
+    "weights (jax_moe.fp8.dequantize_blocks) to differentiate with respect to them.")
+
 
 def blocks(n: int) -> int:
     """Number of 128-wide blocks covering n."""
@@ -144,3 +150,8 @@ def check_block_scales(values, scales, name: str, scale_name: str) -> None:
         raise ValueError(f"{scale_name} must have shape {want} (one scale per 128 x 128 block "
                          f"of {name} {tuple(values.shape)}), got {tuple(scales.shape)}")
 
+
+def transpose_blocks(values, scales):
+    """Block-scaled (..., N, K) values and their scales -> the (..., K, N)
+    transpose: the same weights, each 128 x 128 block's scale moved with it."""
+    return jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2)

@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_moe import _checks, backends
+from jax_moe import _checks, backends, fp8
 from jax_moe.ops.moe_decode_fp8 import _moe_decode_fp8, decode_fp8_applies
 
 __all__ = ["moe_forward", "MoEConfig", "MoELayer"]
@@ -48,18 +48,36 @@ def _fp8_routed(steps, spec: _checks.Layer, x, logits, w13, w2, bias, w13_scale,
     experts = w13.shape[0]
     weights, ids = steps.route(logits, bias, r)
 
-    def chain(x, weights, ids):
+    # The one-token kernel has no backward of its own: under jax.grad the
+    # gradients of x and of the router's weights are the chain's (run again
+    # in the backward); the fp8 weights are frozen, as in the chain.
+    @jax.custom_vjp
+    def fused(x, weights, ids, w13, w13_scale, w2, w2_scale):
+        return _moe_decode_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, spec.activation,
+                               spec.is_gated)
+
+    def fused_fwd(*args):
+        if any(a.perturbed for a in args[3:]):
+            raise TypeError(fp8.FROZEN_WEIGHTS)
+        values = tuple(a.value for a in args)
+        return fused(*values), values
+
+    def fused_bwd(values, g):
+        x, weights, ids, *frozen = values
+        _, vjp = jax.vjp(lambda x, weights: chain(x, weights, ids, *frozen), x, weights)
+        return (*vjp(g), None, None, None, None, None)
+
+    fused.defvjp(fused_fwd, fused_bwd, symbolic_zeros=True)
+
+    def chain(x, weights, ids, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale):
         src_to_dst, dst_to_src, sizes = steps.token_index(ids, experts, 0, experts)
         y = backends.fp8_expert_mlp(steps, x, w13, w13_scale, w2, w2_scale, sizes, dst_to_src,
                                     r.topk, spec.activation, spec.is_gated)
         return steps.combine(y, weights, src_to_dst, dst_to_src)
 
-    def fused(x, weights, ids):
-        return _moe_decode_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, spec.activation,
-                               spec.is_gated)
-
     if steps is _FFI and decode_fp8_applies(x, w2, r.topk):
-        return jax.lax.platform_dependent(x, weights, ids, cuda=fused, default=chain)
+        return jax.lax.platform_dependent(x, weights, ids, w13, w13_scale, w2, w2_scale,
+                                          cuda=fused, default=chain)
     return chain(x, weights, ids)
 
 
@@ -144,8 +162,9 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     per 128 channels); the rest of the layer is unchanged. On the GPU one
     token (H and I multiples of 16) runs everything after the router in one
     kernel (the jax_moe_moe_decode_fp8 custom call), with the same rounding
-    points. Not differentiable with fp8 weights (inference): on "ffi",
-    jax.grad through the experts raises a TypeError.
+    points. The fp8 weights are frozen (jax.grad with respect to them raises
+    a TypeError); the gradients of the tokens and the router logits run the
+    fp8 GEMMs' backward (ops.group_gemm_fp8).
 
     backend: "ffi" (the custom calls) or "reference" (plain jax.numpy); see
     jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``

@@ -93,7 +93,9 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 
     -> (M, N) in x's dtype. Rows are owned as in group_gemm. With dst_to_src
     (M,), x holds the tokens (T, K) and its rows are moe_expand_input's
     (steps 3 and 4). tile_m is accepted for signature parity with ops and
-    checked, not used."""
+    checked, not used. Differentiable in x by the kernels' rule (this GEMM
+    of the output cotangent on w and w_scale transposed, fp8.transpose_blocks),
+    not in w or w_scale (TypeError: fp8.FROZEN_WEIGHTS)."""
     k, _ = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m, dst_to_src, topk)
     return _group_gemm_fp8(x, w, w_scale, expert_sizes, dst_to_src, k)
 
@@ -275,9 +277,15 @@ def _group_gemm(x, w, expert_sizes):
 
 
 def _group_gemm_fp8(x, w, w_scale, expert_sizes, rows=None, topk: int = 1):
-    """rows: dst_to_src (x: the tokens) or None."""
+    """rows: dst_to_src (x: the tokens) or None. Differentiable in x as the
+    kernels' (ops.group_gemm_fp8); the expansion's transpose by autodiff."""
     if rows is not None:
         x = _expand(x, rows, topk)
+    return _fp8_rows(x, w, w_scale, expert_sizes)
+
+
+@jax.custom_vjp
+def _fp8_rows(x, w, w_scale, expert_sizes):
     # The per-block sums sx * sw * sum(xq * wq) equal sum((xq sx) (wq sw)):
     # each product of two e4m3 values is exact in f32, so the twin runs the
     # f32 grouped GEMM on both operands dequantised. The barriers keep x and
@@ -288,6 +296,24 @@ def _group_gemm_fp8(x, w, w_scale, expert_sizes, rows=None, topk: int = 1):
     xq = fp8.dequantize_rows(*fp8.quantize_rows(x))
     wq = fp8.dequantize_blocks(w, w_scale)
     return jax.lax.optimization_barrier(_group_gemm(xq, wq, expert_sizes).astype(x.dtype))
+
+
+def _fp8_rows_fwd(x, w, w_scale, expert_sizes):
+    if w.perturbed or w_scale.perturbed:
+        raise TypeError(fp8.FROZEN_WEIGHTS)
+    args = (x.value, w.value, w_scale.value, expert_sizes.value)
+    return _fp8_rows(*args), args[1:]
+
+
+def _fp8_rows_bwd(res, g):
+    # The kernels' rule: this GEMM of the cotangent on the transposed weights.
+    w, w_scale, expert_sizes = res
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.aval.shape, g.aval.dtype)
+    return _fp8_rows(g, *fp8.transpose_blocks(w, w_scale), expert_sizes), None, None, None
+
+
+_fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd, symbolic_zeros=True)
 
 
 def _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str, is_gated: bool,

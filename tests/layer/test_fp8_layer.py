@@ -147,34 +147,37 @@ def test_moe_layer_takes_fp8_scales(rng):
                                   np.asarray(forward(a, "ffi", topk=2), np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 12], ids=["one_token", "T12"])
-def test_gradient_through_fp8_experts_is_a_clear_error(rng, tokens):
-    # The fp8 GEMMs (and on the GPU the one-token kernel) have no backward:
-    # jax.grad with respect to the tokens says so, naming the scales and the
-    # way out, rather than JAX's error about an FFI call.
+def test_gradients_match_twin(rng, dtype, tokens):
+    # Frozen fp8 experts, trainable around them: the gradients of the tokens
+    # and of the router logits (one token on the GPU: the fused kernel's
+    # forward, the chain's backward) against the twin's, the same rule.
+    a = layer_inputs(rng, tokens, 256, 128, 4, dtype)
+    cot = normal(rng, a["hidden_states"].shape, jnp.float32)
+
+    def grads(backend):
+        def loss(x, lg):
+            out = jax_moe.moe_forward(**dict(a, hidden_states=x, router_logits=lg), topk=2,
+                                      backend=backend)
+            return jnp.sum(out.astype(jnp.float32) * cot)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(a["hidden_states"], a["router_logits"])
+
+    (dx, dlg), (want_dx, want_dlg) = grads("ffi"), grads("reference")
+    assert dx.dtype == dtype and dx.shape == a["hidden_states"].shape
+    for got, want in ((dx, want_dx), (dlg, want_dlg)):
+        assert np.all(np.isfinite(np.asarray(got, np.float32))) and np.any(np.asarray(want))
+        assert rel_err(got, want) <= TOL[jnp.dtype(dtype)]
+
+
+@pytest.mark.parametrize("backend", ["ffi", "reference"])
+@pytest.mark.parametrize("tokens", [1, 12], ids=["one_token", "T12"])
+@pytest.mark.parametrize("name", ["w13", "w2_scale"])
+def test_fp8_weights_are_frozen(rng, backend, tokens, name):
     a = layer_inputs(rng, tokens, 128, 128, 4, jnp.float32)
 
-    def loss(x):
-        return jnp.sum(jax_moe.moe_forward(**dict(a, hidden_states=x), topk=2) ** 2)
+    def loss(v):
+        return jnp.sum(jax_moe.moe_forward(**dict(a, **{name: v}), topk=2, backend=backend))
 
-    with pytest.raises(TypeError, match="w13_scale / w2_scale.*backend='reference'"):
-        jax.grad(loss)(a["hidden_states"])
-    with pytest.raises(TypeError, match="are for inference"):
-        jax.grad(lambda x: jnp.sum(jax_moe.ops.group_gemm_fp8(
-            x, a["w13"], a["w13_scale"], jnp.asarray([tokens, 0, 0, 0], jnp.int32))))(
-                a["hidden_states"])
-
-
-def test_router_gradient_with_fp8_experts_matches_twin(rng):
-    # The expert outputs do not depend on the router logits, so their
-    # gradient (through the combine's weights) needs no fp8 backward; the
-    # kernels' matches the twin's.
-    a = layer_inputs(rng, 12, 128, 128, 4, jnp.float32)
-
-    def grad(backend):
-        return jax.jit(jax.grad(lambda lg: jnp.sum(jax_moe.moe_forward(
-            **dict(a, router_logits=lg), topk=2, backend=backend) ** 2)))(a["router_logits"])
-
-    got, want = grad("ffi"), grad("reference")
-    assert np.all(np.isfinite(np.asarray(got))) and np.any(np.asarray(want))
-    assert rel_err(got, want) <= TOL[jnp.dtype(jnp.float32)]
+    with pytest.raises(TypeError, match="are frozen: they have no gradient"):
+        jax.grad(loss)(a[name])

@@ -9,7 +9,7 @@ optax = pytest.importorskip("optax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from common import assert_close, assert_equal, fp8_checkpoint  # noqa: E402
+from common import assert_close, assert_equal, fp8_checkpoint, rel_err  # noqa: E402
 from jax_moe import MoEConfig, moe_forward  # noqa: E402
 from jax_moe.convert import convert_moe_block  # noqa: E402
 from jax_moe.nn import MoE, Buffer  # noqa: E402
@@ -265,3 +265,19 @@ def test_from_fp8_state_dict_kept_fp8(rng):
         "e_score_correction_bias"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
         **cfg.forward_kwargs())
     assert_equal(got, want, "the module's forward")
+    # Fine-tuning around the frozen fp8 experts: the router's gradient and
+    # the input's, on the kernels as on the twin.
+    twin = MoE.from_state_dict(cfg, sd, layout="deepseek", param_dtype=jnp.bfloat16,
+                               dtype=jnp.bfloat16, keep_fp8=True, backend="reference")
+
+    def loss(m, x):
+        return jnp.sum(m(x).astype(jnp.float32) ** 2)
+
+    grads = {}
+    for name, m in (("ffi", model), ("reference", twin)):
+        g_router, g_x = nnx.grad(loss, argnums=(0, 1))(m, x)
+        grads[name] = jax.tree.leaves(g_router) + [g_x]
+    assert len(grads["ffi"]) == 2  # the router's, x's
+    for f, r in zip(grads["ffi"], grads["reference"]):
+        assert float(jnp.max(jnp.abs(r.astype(jnp.float32)))) > 0
+        assert rel_err(f, r) <= 3e-2

@@ -229,3 +229,67 @@ def test_rejects_other_tiles(rng, tile_m):
     for fn in (ops.group_gemm_fp8, reference.group_gemm_fp8):
         with pytest.raises((ValueError, TypeError), match="tile_m"):
             fn(x, w, ws, sizes, tile_m=tile_m)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gather"])
+@pytest.mark.parametrize("shape", ["offgrid", "tma", "skinny"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_input_gradient_matches_the_twin(rng, gather, shape, dtype):
+    # dx: the fp8 GEMM of the cotangent on the transposed weights (the
+    # cotangent quantised per 128 channels), summed into the tokens with a
+    # gather; against the twin's, and against the exact gradient of the
+    # dequantised GEMM (cotangent @ w[e], straight through x's quantisation)
+    # within that quantisation.
+    topk = 2
+    if gather:
+        x, d2s, w, ws, sizes = _gather_case(rng, dtype, shape, topk)
+        m = d2s.shape[0]
+    else:
+        x, w, ws, sizes = _case(rng, "random", dtype, shape)
+        d2s, m = None, x.shape[0]
+    cot = normal(rng, (m, w.shape[1]), jnp.float32).astype(dtype)
+    rows = d2s if gather else jnp.zeros((0,), jnp.int32)
+
+    def grad(fn, x, w, ws, sizes, rows, cot):
+        def loss(x):
+            out = fn(x, w, ws, sizes, dst_to_src=rows if gather else None,
+                     topk=topk if gather else 1)
+            return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+        return jax.jit(jax.grad(loss))(x)
+
+    got = np.asarray(grad(ops.group_gemm_fp8, x, w, ws, sizes, rows, cot), np.float64)
+    want = np.asarray(on_cpu(grad, reference.group_gemm_fp8, x, w, ws, sizes, rows, cot),
+                      np.float64)
+    assert got.shape == want.shape == x.shape
+    assert rel_err(got, want) <= TOL[dtype]
+    # The exact gradient of the dequantised GEMM, rows owned as in the forward.
+    wd = np.asarray(fp8.dequantize_blocks(w, ws), np.float64)
+    c = np.asarray(cot, np.float64)
+    rows_dx = np.zeros((m, x.shape[1]))
+    start = 0
+    for e, size in enumerate(np.asarray(sizes)):
+        end = min(start + max(int(size), 0), m)
+        rows_dx[start:end] = c[start:end] @ wd[e]
+        start = end
+    if gather:
+        exact = np.zeros(x.shape)
+        for r, slot in enumerate(np.asarray(d2s)):
+            if 0 <= slot < x.shape[0] * topk:
+                exact[slot // topk] += rows_dx[r]
+    else:
+        exact = rows_dx
+    assert rel_err(got, exact) <= 5e-2
+
+
+@pytest.mark.parametrize("fn", [ops.group_gemm_fp8, reference.group_gemm_fp8],
+                         ids=["ops", "reference"])
+@pytest.mark.parametrize("arg", [1, 2], ids=["w", "w_scale"])
+def test_weights_have_no_gradient(rng, fn, arg):
+    x, w, ws, sizes = _case(rng, "random", jnp.float32, "tma")
+    args = [x, w, ws, sizes]
+
+    def loss(v):
+        return jnp.sum(fn(*args[:arg], v, *args[arg + 1:]))
+
+    with pytest.raises(TypeError, match="are frozen: they have no gradient"):
+        jax.grad(loss)(args[arg])

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe import _checks, tuning
+from jax_moe import _checks, fp8, tuning
 from jax_moe._ffi import _ext
 from jax_moe._int32 import index_int32
 from jax_moe.ops._common import sds
+from jax_moe.ops.expand import gather_transpose
 
 
 def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 1,
@@ -39,8 +40,15 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 
     Hopper for bf16 x (N a multiple of 8, K of 16; x quantised into the
     scratch output first). Where the chosen kernel does not apply, CUTLASS's
     with its own tile rule, then a portable SIMT kernel. The CPU has one
-    kernel. Not differentiable (fp8 weights are for inference): jax.grad
-    through it raises a TypeError saying so."""
+    kernel.
+
+    Differentiable in x, not in the frozen fp8 weights (jax.grad with respect
+    to w or w_scale raises a TypeError): dx is this GEMM of the output
+    cotangent on the transposed weights (each cotangent row quantised per 128
+    channels, as DeepSeek-V3's recipe does for its dgrad; the 128 x 128 block
+    scales transpose with their blocks), summed back into the tokens with a
+    gather. The backward writes the transposed fp8 weights and scales, a copy
+    the size of w."""
     k, tile = _checks.group_gemm_fp8_args(x, w, w_scale, expert_sizes, tile_m, dst_to_src, topk)
     return _group_gemm_fp8(x, w, w_scale, expert_sizes, tile, dst_to_src, k)
 
@@ -60,22 +68,14 @@ def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None, rows=None, topk: i
     scratch = _ext.group_gemm_fp8_sm90_scratch_bytes(m, n, k, experts) if sm90 else 0
     gather = rows is not None
     rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
-    return _fp8_call(x, w, w_scale, index_int32(expert_sizes), rows, (m, n, scratch),
-                     gather, topk, tile)
-
-
-NOT_DIFFERENTIABLE = (
-    "the fp8 expert GEMMs have no gradient: block-scaled fp8 weights (moe_forward's "
-    "w13_scale / w2_scale, ops.group_gemm_fp8) are for inference on backend='ffi'. "
-    "Differentiate with backend='reference' (the dequantised math, in plain jax.numpy), "
-    "or train bf16 weights (jax_moe.fp8.dequantize_blocks).")
+    return _fp8_call(x, w, w_scale, index_int32(expert_sizes), rows,
+                     (m, n, scratch, x.shape[0]), gather, topk, tile)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _fp8_call(x, w, w_scale, expert_sizes, rows, shapes, gather: bool, topk: int, tile: int):
-    """The custom call; jax.grad through it raises NOT_DIFFERENTIABLE (JAX's
-    own error for an FFI call names the target and suggests a custom rule)."""
-    m, n, scratch = shapes
+    """The custom call, differentiable in x (group_gemm_fp8's docstring)."""
+    m, n, scratch, _ = shapes  # and the rows of x
     call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8",
                             (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
                             vmap_method="sequential")
@@ -84,12 +84,22 @@ def _fp8_call(x, w, w_scale, expert_sizes, rows, shapes, gather: bool, topk: int
     return out
 
 
-def _fp8_call_fwd(*args):
-    return _fp8_call(*args), None
+def _fp8_call_fwd(x, w, w_scale, expert_sizes, rows, shapes, gather, topk, tile):
+    if w.perturbed or w_scale.perturbed:
+        raise TypeError(fp8.FROZEN_WEIGHTS)
+    out = _fp8_call(x.value, w.value, w_scale.value, expert_sizes.value, rows.value, shapes,
+                    gather, topk, tile)
+    return out, (w.value, w_scale.value, expert_sizes.value, rows.value)
 
 
-def _fp8_call_bwd(*_):
-    raise TypeError(NOT_DIFFERENTIABLE)
+def _fp8_call_bwd(shapes, gather, topk, tile, res, g):
+    w, w_scale, expert_sizes, rows = res
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.aval.shape, g.aval.dtype)
+    dx = _group_gemm_fp8(g, *fp8.transpose_blocks(w, w_scale), expert_sizes)
+    if gather:
+        dx = gather_transpose(dx, rows, topk, shapes[3])
+    return dx, None, None, None, None
 
 
-_fp8_call.defvjp(_fp8_call_fwd, _fp8_call_bwd)
+_fp8_call.defvjp(_fp8_call_fwd, _fp8_call_bwd, symbolic_zeros=True)

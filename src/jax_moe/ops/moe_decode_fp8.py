@@ -5,15 +5,12 @@ the step chain."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import _checks
 from jax_moe.ops._common import sds
-from jax_moe.ops.group_gemm_fp8 import NOT_DIFFERENTIABLE
 
 
 def decode_fp8_applies(hidden_states, w2, topk: int) -> bool:
@@ -34,14 +31,7 @@ def _moe_decode_fp8(hidden_states, topk_weights, topk_ids, w13, w13_scale, w2, w
     3-7 of the fp8 layer for one token given the router's (1, k) weights and
     ids -> (1, H) in hidden_states' dtype. The twin is the step chain
     (backends.fp8_expert_mlp and the combine); the rounding points are its,
-    the sums run in another order. Not differentiable (TypeError)."""
-    return _decode_call(hidden_states, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale,
-                        activation, is_gated)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _decode_call(hidden_states, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale,
-                 activation: str, is_gated: bool):
+    the sums run in another order."""
     k = topk_ids.shape[1]
     hidden, inter = hidden_states.shape[1], w2.shape[2]
     call = jax.ffi.ffi_call(
@@ -53,14 +43,3 @@ def _decode_call(hidden_states, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
                      w13, w13_scale, w2, w2_scale,
                      activation=np.int64(_checks.ACTIVATIONS[activation]), gated=bool(is_gated))
     return out
-
-
-def _decode_call_fwd(*args):
-    return _decode_call(*args), None
-
-
-def _decode_call_bwd(*_):
-    raise TypeError(NOT_DIFFERENTIABLE)
-
-
-_decode_call.defvjp(_decode_call_fwd, _decode_call_bwd)
