@@ -77,6 +77,56 @@ def after(x, h):
     return x + (h[:, :1] * 0).astype(x.dtype)
 
 
+def training_step(layer, backward: bool = True):
+    """One training step of layer(h, logits, w13, w2) -> out, as
+    step(h, logits, w13, w2, ct) -> (the input's gradient, a scalar that keeps
+    every gradient alive, the weights as the next step must see them). ct is
+    the output's cotangent. With backward=False, the forward alone (its output
+    in the gradient's place).
+
+    The weights pass through a barrier with this step's input: to XLA they are
+    new values each step (as after an optimizer's update), so nothing derived
+    from them (a transposed copy, say) is kept from step to step. Each step's
+    barrier takes the previous one's output: barriers on the parameters
+    themselves would each get a copy. The output is used too (as a loss would
+    use it), so that no part of the forward that the backward does not need is
+    left out."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(h, lg, w13, w2, ct):
+        w13, w2 = jax.lax.optimization_barrier((w13, w2, h))[:2]
+        if not backward:
+            return layer(h, lg, w13, w2), jnp.zeros((), jnp.float32), w13, w2
+        out, vjp = jax.vjp(layer, h, lg, w13, w2)
+        dx, dlg, dw13, dw2, out = jax.lax.optimization_barrier(vjp(ct) + (out,))
+        first = (0,) * 4
+        keep = (dlg[first[:dlg.ndim]] + dw13[first[:dw13.ndim]].astype(jnp.float32)
+                + dw2[first[:dw2.ndim]].astype(jnp.float32) + out[0, 0].astype(jnp.float32))
+        return dx, keep, w13, w2
+
+    return step
+
+
+def training_chain(step, calls: int, x, logits, w13, w2, ct):
+    """`calls` training steps (training_step) chained in a straight line
+    (chain) -> (the last input gradient, the last step's scalar). Step i routes
+    with logits[i % len(logits)], made to wait for the previous step's
+    gradients (as a step waits for the optimizer's update), so every step's
+    gradients are used, each before the next step, and die there. (A sum of
+    every step's scalar as an output would be fused at the program's end,
+    reading every step's weight gradients there and keeping them all alive.)"""
+    import jax.numpy as jnp
+
+    def body(i, carry):
+        h, prev, w13, w2 = carry
+        lg = after(logits[i % logits.shape[0]], h) + prev * 0
+        nxt, keep, w13, w2 = step(h, lg, w13, w2, ct)
+        return after(x, nxt), keep, w13, w2
+
+    return chain(body, calls, (x, jnp.zeros((), jnp.float32), w13, w2))[:2]
+
+
 def write_json(path, meta, rows) -> None:
     """{"meta": ..., "rows": [...]} to path; nothing when path is empty."""
     if path:

@@ -41,10 +41,19 @@ the expert-only run; collectives are not overlapped with compute in this layer
 (each call depends on the previous one), so the difference is the time they
 add; with timing noise it can come out slightly negative for tiny shapes.
 
+With --train every timed call is a training step instead of a forward:
+forward and backward with the gradients of the tokens, the router logits,
+w13 and w2 (_bench_common.training_step, as benchmarks/bench_train.py times
+it on one device), the next step's input its input gradient, the weights
+through an optimization barrier; the baseline is the same step of
+moe_forward on one device, and "expert µs" the same step of the
+collective-free per-device work.
+
     python benchmarks/bench_sharded.py                        # full grid, all devices
     python benchmarks/bench_sharded.py --shapes deepseek_v3 --tokens 1024
     python benchmarks/bench_sharded.py --device-counts 2 4 8  # scaling over 2, 4, 8 of them
     python benchmarks/bench_sharded.py --quick                # tiny shape, 8 CPU host devices
+    python benchmarks/bench_sharded.py --train                # training steps instead
 
 With JAX_PLATFORMS unset or "cpu", XLA is asked for 8 host devices (unless
 XLA_FLAGS already sets a count), so on a GPU machine run with
@@ -82,7 +91,8 @@ from datetime import date  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _bench_common import after, chain, check_least, wall_time, write_json  # noqa: E402
+from _bench_common import (after, chain, check_least, training_chain,  # noqa: E402
+                           training_step, wall_time, write_json)
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -99,6 +109,9 @@ ROUTINGS = 8  # distinct random routings the loop rotates through
 METHOD = ("expert_us: per-device routing of its own tokens + parallel._local_experts on the "
           "N*T_loc rows it holds after dispatch, inside shard_map with no collective; "
           "collective_us = total - expert_us (collectives + packing/dispatch bookkeeping)")
+TRAIN_METHOD = ("training steps: forward + backward with the gradients of x, logits, w13 and "
+                "w2, each step's input the previous step's input gradient "
+                "(_bench_common.training_step)")
 
 
 def factor_pairs(n, experts, inter):
@@ -139,29 +152,38 @@ def random_arrays(key, specs: dict) -> dict:
 
 # ------------------------------------------------------------- the loops
 
-def single_loop(topk, calls):
+def layer_loop(layer, calls, train):
+    """`calls` chained calls of layer(h, logits, w13, w2) -> (T, H): forwards,
+    run(x, logits, w13, w2), or with `train` training steps,
+    run(x, logits, w13, w2, ct)."""
+    if train:
+        step = training_step(layer)
+        return jax.jit(lambda *args: training_chain(step, calls, *args))
+
     @jax.jit
     def run(x, logits, w13, w2):
         def body(i, h):
-            return jax_moe.moe_forward(h, after(logits[i % logits.shape[0]], h), w13, w2, topk)
+            return layer(h, after(logits[i % logits.shape[0]], h), w13, w2)
         return chain(body, calls, x)
     return run
 
 
-def sharded_loop(mesh, strategy, topk, calls):
-    @jax.jit
-    def run(x, logits, w13, w2):
-        def body(i, h):
-            return jax_moe.moe_forward_sharded(h, after(logits[i % logits.shape[0]], h), w13,
-                                               w2, topk, mesh=mesh, strategy=strategy)
-        return chain(body, calls, x)
-    return run
+def single_loop(topk, calls, train=False):
+    return layer_loop(lambda h, lg, w13, w2: jax_moe.moe_forward(h, lg, w13, w2, topk),
+                      calls, train)
 
 
-def expert_loop(plan, calls):
+def sharded_loop(mesh, strategy, topk, calls, train=False):
+    return layer_loop(
+        lambda h, lg, w13, w2: jax_moe.moe_forward_sharded(h, lg, w13, w2, topk, mesh=mesh,
+                                                           strategy=strategy),
+        calls, train)
+
+
+def expert_loop(plan, calls, train=False):
     """The layer's per-device compute with no collective (see the docstring):
     carry xg is (N * T_glob, H) globally, (T_glob, H) = the post-dispatch rows
-    per device."""
+    per device. With `train`, training steps: run(..., ct) with ct like xg."""
     impl = jax_moe.backends.get("ffi")
     steps = jax_moe.backends.steps("ffi")
     tok = P(plan.token_axes, None)
@@ -180,6 +202,23 @@ def expert_loop(plan, calls):
     specs = (tok, tok, tok, tok, P(plan.ep, None, plan.tp, None), P(plan.ep, None, plan.tp))
     step = parallel._shard_map(local, plan.mesh, specs, tok)
 
+    if train:
+        @jax.jit
+        def run_train(xg, logits, w_pre, id_pre, w13, w2, ct):
+            def body(i, carry):
+                h, prev, w13, w2 = carry
+                r = i % logits.shape[0]
+
+                def layer(h, lg, w13, w2):
+                    return step(h, lg, w_pre[r], id_pre[r], w13, w2)
+
+                # Waits for the previous step's gradients (h has N x the logits' rows).
+                lg = logits[r] + prev * 0
+                nxt, keep, w13, w2 = training_step(layer)(h, lg, w13, w2, ct)
+                return after(xg, nxt), keep, w13, w2
+            return chain(body, calls, (xg, jnp.zeros((), jnp.float32), w13, w2))[:2]
+        return run_train
+
     @jax.jit
     def run(xg, logits, w_pre, id_pre, w13, w2):
         def body(i, h):
@@ -191,11 +230,13 @@ def expert_loop(plan, calls):
 
 # ------------------------------------------------------------- the cases
 
-def token_sets(shape, devices, tokens, dtype, key) -> dict:
+def token_sets(shape, devices, tokens, dtype, key, train=False) -> dict:
     """Per T/device: the random token-side inputs, split over `devices` in
     order (device j holds token block j), on a 1-D mesh. Made once per device
     count and reused by every (ep, tp) mesh through relabel(): a mesh over the
-    same devices in the same order gives each device the same blocks."""
+    same devices in the same order gives each device the same blocks. With
+    `train`, also the output cotangents of the layer and of the expert-only
+    run."""
     h, i, e, k = shape
     n = len(devices)
     flat = Mesh(np.asarray(devices), ("d",))
@@ -203,13 +244,16 @@ def token_sets(shape, devices, tokens, dtype, key) -> dict:
     sets = {}
     for t_dev in tokens:
         t = t_dev * n
-        sets[t_dev] = random_arrays(jax.random.fold_in(key, t_dev), {
+        specs = {
             "x": ((t, h), dtype, 1.0, rows),
             "logits": ((ROUTINGS, t, e), jnp.float32, 1.0, stacked),
             # for the expert-only run: every device holds the N * T_loc = T rows
             # it sees after the dispatch, and their routing
             "xg": ((n * t, h), dtype, 1.0, rows),
-            "routing": ("routing", (ROUTINGS, n * t, e), k, stacked)})
+            "routing": ("routing", (ROUTINGS, n * t, e), k, stacked)}
+        if train:
+            specs.update({"ct": ((t, h), dtype, 0.01, rows), "ctg": ((n * t, h), dtype, 0.01, rows)})
+        sets[t_dev] = random_arrays(jax.random.fold_in(key, t_dev), specs)
     return sets
 
 
@@ -223,25 +267,29 @@ def relabel(a, sharding):
         a.shape, sharding, [shards[d].data for d in want])
 
 
-def bench_single(shape, sets, dtype, calls, repeats, key):
+def bench_single(shape, sets, dtype, calls, repeats, key, train=False):
     """{T per device: µs} for moe_forward on device 0, with the tokens and
-    logits that device 0 holds in the sharded runs."""
+    logits (and cotangent) that device 0 holds in the sharded runs."""
     h, i, e, k = shape
     dev0 = jax.devices()[0]
     one = SingleDeviceSharding(dev0)
     w = random_arrays(key, {"w13": ((e, 2 * i, h), dtype, h**-0.5, one),
                             "w2": ((e, h, i), dtype, i**-0.5, one)})
-    run = single_loop(k, calls)
+    run = single_loop(k, calls, train)
     out = {}
     for t_dev, a in sets.items():
-        x, logits = ([s.data for s in a[name].addressable_shards if s.device == dev0][0]
-                     for name in ("x", "logits"))
+        names = ("x", "logits", "ct") if train else ("x", "logits")
+        local = [[s.data for s in a[name].addressable_shards if s.device == dev0][0]
+                 for name in names]
+        x, logits = local[:2]
         assert x.shape == (t_dev, h) and logits.shape == (ROUTINGS, t_dev, e)
-        out[t_dev] = timed(run, (x, logits, w["w13"], w["w2"]), calls, repeats)
+        args = (x, logits, w["w13"], w["w2"], *local[2:])
+        out[t_dev] = timed(run, args, calls, repeats)
     return out
 
 
-def bench_mesh(shape, devices, ep, tp, sets, strategies, dtype, calls, repeats, key):
+def bench_mesh(shape, devices, ep, tp, sets, strategies, dtype, calls, repeats, key,
+               train=False):
     """Rows {T, strategy, total_us, expert_us} on one (ep, tp) mesh of `devices`."""
     h, i, e, k = shape
     mesh = Mesh(np.asarray(devices).reshape(ep, tp), ("ep", "tp"))
@@ -255,15 +303,17 @@ def bench_mesh(shape, devices, ep, tp, sets, strategies, dtype, calls, repeats, 
         x, xg = relabel(a["x"], sh["hidden_states"]), relabel(a["xg"], sh["hidden_states"])
         logits = relabel(a["logits"], stacked)
         routing = [relabel(r, stacked) for r in a["routing"]]
+        ct = (relabel(a["ct"], sh["hidden_states"]),) if train else ()
+        ctg = (relabel(a["ctg"], sh["hidden_states"]),) if train else ()
         for strategy in strategies:
-            us = timed(sharded_loop(mesh, strategy, k, calls), (x, logits, w13, w2),
+            us = timed(sharded_loop(mesh, strategy, k, calls, train), (x, logits, w13, w2, *ct),
                        calls, repeats)
             rows.append({"tokens_per_device": t_dev, "strategy": strategy, "total_us": us})
         plan = parallel._make_plan(x, jax.ShapeDtypeStruct(logits.shape[1:], logits.dtype),
                                    w13, w2, k, mesh, "ep", "tp", True, "silu", None, "ffi",
                                    "allgather")
-        expert_us = timed(expert_loop(plan, calls), (xg, logits, *routing, w13, w2),
-                          calls, repeats)
+        expert_us = timed(expert_loop(plan, calls, train),
+                          (xg, logits, *routing, w13, w2, *ctg), calls, repeats)
         for r in rows[-len(strategies):]:
             r["expert_us"] = expert_us
     return rows
@@ -283,6 +333,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed loops per case (median)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--train", action="store_true",
+                   help="time training steps (forward + backward, four gradients) instead of "
+                        "forwards")
     p.add_argument("--json", default="bench_sharded.json")
     args = p.parse_args()
     check_least(p, args, calls=1, repeats=1, tokens=1, device_counts=1)
@@ -304,13 +357,17 @@ def main() -> None:
     print(f"# {date.today()} {len(all_devices)} x {dev} ({backend}), jax {jax.__version__}, "
           f"{dtype.name}, {calls} calls x {repeats} repeats, {ROUTINGS} routings")
     print(f"# {METHOD}")
+    if args.train:
+        print(f"# {TRAIN_METHOD}")
     meta = {"date": str(date.today()), "device": dev, "backend": backend,
             "devices": len(all_devices), "device_counts": counts, "jax": jax.__version__,
             "dtype": dtype.name, "calls": calls, "repeats": repeats, "routings": ROUTINGS,
-            "quick": args.quick, "method": METHOD}
+            "quick": args.quick, "train": args.train,
+            "method": METHOD + ("; " + TRAIN_METHOD if args.train else "")}
     rows = []
     write_json(args.json, meta, rows)
-    print("| shape | T/device | mesh (ep x tp) | strategy | µs/layer | expert µs | collective µs "
+    unit = "µs/step" if args.train else "µs/layer"
+    print(f"| shape | T/device | mesh (ep x tp) | strategy | {unit} | expert µs | collective µs "
           "| 1-GPU µs | scaling eff. | tokens/s |")
     print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
 
@@ -331,8 +388,8 @@ def main() -> None:
         # one device; they also compile faster.
         wkey, tkey = jax.random.split(jax.random.key(0, impl="rbg"))
         sets_n = max(counts)
-        sets = token_sets(shape, all_devices[:sets_n], tokens, dtype, tkey)
-        single = bench_single(shape, sets, dtype, calls, repeats, wkey)
+        sets = token_sets(shape, all_devices[:sets_n], tokens, dtype, tkey, args.train)
+        single = bench_single(shape, sets, dtype, calls, repeats, wkey, args.train)
         for t in tokens:
             emit({**base, "kind": "single", "devices": 1, "ep": 1, "tp": 1, "mesh": "1 device",
                   "strategy": "moe_forward", "tokens_per_device": t, "tokens": t,
@@ -344,10 +401,11 @@ def main() -> None:
                 continue  # the baseline above is the 1-device number
             if n != sets_n:
                 sets = None  # free the previous device count's arrays first
-                sets, sets_n = token_sets(shape, all_devices[:n], tokens, dtype, tkey), n
+                sets, sets_n = token_sets(shape, all_devices[:n], tokens, dtype, tkey,
+                                          args.train), n
             for ep, tp in factor_pairs(n, e, i):
                 for r in bench_mesh(shape, all_devices[:n], ep, tp, sets, args.strategies,
-                                    dtype, calls, repeats, wkey):
+                                    dtype, calls, repeats, wkey, args.train):
                     t = r["tokens_per_device"]
                     emit({**base, "kind": "sharded", "devices": n, "ep": ep, "tp": tp,
                           "mesh": f"{ep}x{tp}", "strategy": r["strategy"],

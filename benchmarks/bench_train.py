@@ -27,7 +27,8 @@ from datetime import date
 
 import jax
 import jax.numpy as jnp
-from _bench_common import after, chain, check_least, per_call_seconds, pick_shapes, write_json
+from _bench_common import (check_least, per_call_seconds, pick_shapes, training_chain,
+                           training_step, write_json)
 
 import jax_moe
 
@@ -51,53 +52,17 @@ def _inputs(shape, tokens, dtype, seed):
 
 
 def _step_fn(backend, topk, backward, remat):
-    """One step: (h, logits, w13, w2, ct) -> (next input, a scalar that
-    keeps every gradient alive, the weights as the next step must see
-    them)."""
+    """One step of moe_forward (_bench_common.training_step)."""
 
     def layer(h, lg, w13, w2):
         return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend, remat=remat)
 
-    def step(h, lg, w13, w2, ct):
-        # The weights pass through a barrier with this step's input: to XLA
-        # they are new values each step (as after an optimizer's update), so
-        # nothing derived from them (a transposed copy, say) is kept from
-        # step to step. Each step's barrier takes the previous one's output:
-        # barriers on the parameters themselves would each get a copy.
-        w13, w2 = jax.lax.optimization_barrier((w13, w2, h))[:2]
-        if not backward:
-            out = layer(h, lg, w13, w2)
-            return out, jnp.zeros((), jnp.float32), w13, w2
-        # The output is used too (as a loss would use it), so that no part of
-        # the forward that the backward does not need is left out.
-        out, vjp = jax.vjp(layer, h, lg, w13, w2)
-        dx, dlg, dw13, dw2, out = jax.lax.optimization_barrier(vjp(ct) + (out,))
-        keep = (dlg[0, 0] + dw13[0, 0, 0].astype(jnp.float32) + dw2[0, 0, 0].astype(jnp.float32)
-                + out[0, 0].astype(jnp.float32))
-        return dx, keep, w13, w2
-
-    return step
+    return training_step(layer, backward)
 
 
 def _program(backend, topk, n, backward, remat):
     step = _step_fn(backend, topk, backward, remat)
-
-    @jax.jit
-    def run(x, logits, w13, w2, ct):
-        def body(i, carry):
-            h, prev, w13, w2 = carry
-            # The routing waits for the previous step's gradients (as a step
-            # waits for the optimizer's update), so every step's gradients
-            # are used, each before the next step, and die there. The last
-            # step's reach the output. (A sum of every step's `keep` as an
-            # output would be fused at the program's end, reading every
-            # step's weight gradients there and keeping them all alive.)
-            lg = after(logits[i % logits.shape[0]], h) + prev * 0
-            nxt, keep, w13, w2 = step(h, lg, w13, w2, ct)
-            return after(x, nxt), keep, w13, w2
-        return chain(body, n, (x, jnp.zeros((), jnp.float32), w13, w2))[:2]
-
-    return run
+    return jax.jit(lambda *args: training_chain(step, n, *args))
 
 
 def _time(backend, topk, calls, repeats, args, backward, remat):

@@ -1,6 +1,7 @@
 """benchmarks/bench_sharded.py --quick on the 8 CPU host devices: one row per
 mesh factorisation of 8, strategy and tokens-per-device, plus the 1-device
-baseline rows, all with positive times."""
+baseline rows, all with positive times; with --train, the same for training
+steps on 4 of the devices."""
 
 import json
 import os
@@ -14,17 +15,22 @@ STRATEGIES = ["allgather", "all_to_all"]
 TOKENS = [1, 16, 100]  # --quick's tokens per device
 
 
-def test_bench_sharded_quick(tmp_path):
+def run_quick(tmp_path, *extra, timeout=170):
+    """bench_sharded.py --quick on 8 CPU host devices -> (its JSON, stdout)."""
     path = tmp_path / "bench_sharded.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # 8 host devices even on a GPU machine
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
-    proc = subprocess.run([sys.executable, "benchmarks/bench_sharded.py", "--quick", "--json",
-                           str(path)], capture_output=True, text=True, timeout=170, cwd=ROOT,
-                          env=env)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_sharded.py", "--quick", *extra,
+                           "--json", str(path)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    data = json.loads(path.read_text())
+    return json.loads(path.read_text()), proc.stdout
+
+
+def test_bench_sharded_quick(tmp_path):
+    data, stdout = run_quick(tmp_path)
     assert data["meta"]["devices"] == 8 and data["meta"]["quick"]
     rows = data["rows"]
 
@@ -43,5 +49,23 @@ def test_bench_sharded_quick(tmp_path):
         assert r["single_us"] == single[t]["total_us"]
         assert r["scaling_efficiency"] > 0 and r["tokens_per_s"] > 0
     # the markdown table: a header and one line per row
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)
+    assert "µs/layer" in table[0] and not data["meta"]["train"]
+
+
+def test_bench_sharded_train_quick(tmp_path):
+    data, stdout = run_quick(tmp_path, "--train", "--tokens", "16", "--device-counts", "4")
+    assert data["meta"]["train"] and "training steps" in data["meta"]["method"]
+    rows = data["rows"]
+    single = [r for r in rows if r["kind"] == "single"]
+    assert len(single) == 1 and single[0]["total_us"] > 0
+    sharded = {(r["ep"], r["tp"], r["strategy"]): r for r in rows if r["kind"] == "sharded"}
+    assert set(sharded) == {(ep, tp, s) for ep, tp in [(4, 1), (2, 2), (1, 4)]
+                            for s in STRATEGIES}
+    for r in sharded.values():
+        assert r["devices"] == 4 and r["tokens"] == 4 * 16
+        assert r["total_us"] > 0 and r["expert_us"] > 0
+        assert r["single_us"] == single[0]["total_us"]
+    table = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert "µs/step" in table[0] and len(table) == 1 + len(rows)
