@@ -1,5 +1,7 @@
 """jax_moe.moe_forward_sharded (expert + tensor parallelism over a Mesh) against
-jax_moe.moe_forward on one device, on the 8 host devices of conftest.py.
+jax_moe.moe_forward on one device, on the 8 host devices of conftest.py, or
+under JAX_PLATFORMS=cuda on 8 GPUs (4 where there are 4 to 7: every mesh is
+then that count's).
 
 Also: the collectives in the compiled HLO of each strategy (exact counts, so
 that a stray collective such as an all-gather of the weights fails the test),
@@ -24,13 +26,24 @@ from jax_moe import fp8, parallel
 from jax_moe.parallel import moe_forward_sharded, moe_shardings
 
 H, I, E, K = 32, 16, 8, 2  # small: 8 devices share 2 cores
-MESH_SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8), (1, 1)]
-MESH_IDS = [f"ep{ep}-tp{tp}" for ep, tp in MESH_SHAPES]
 STRATEGIES = ["allgather", "all_to_all"]
 
-# The 8 host CPU devices of conftest.py; under JAX_PLATFORMS=cuda with fewer
-# than 8 GPUs the meshes (and the single-device reference) use them too.
-DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
+# The devices of the meshes (and of the single-device reference): 8 GPUs, or 4
+# where JAX has 4 to 7; else the 8 host CPU devices of conftest.py.
+_GPUS = jax.devices() if jax.default_backend() == "gpu" else []
+DEVICES = (_GPUS[:8] if len(_GPUS) >= 8 else _GPUS[:4] if len(_GPUS) >= 4
+           else jax.devices("cpu")[:8])
+N = len(DEVICES)
+FACTORS = [(ep, N // ep) for ep in range(N, 0, -1) if N % ep == 0]  # (N, 1) .. (1, N)
+MESH_SHAPES = FACTORS + [(1, 1)]
+HALF = (N // 2, 2)  # experts and tensor parallelism at once
+
+
+def mesh_ids(shapes):
+    return [f"ep{ep}-tp{tp}" for ep, tp in shapes]
+
+
+MESH_IDS = mesh_ids(MESH_SHAPES)
 
 _moe_forward = jax.jit(jax_moe.moe_forward,
                        static_argnames=("topk", "renormalize", "activation", "backend",
@@ -85,7 +98,7 @@ def test_matches_single_device_f32(ep, tp, strategy, rng):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2), (2, 4)], ids=["ep8-tp1", "ep4-tp2", "ep2-tp4"])
+@pytest.mark.parametrize("ep,tp", FACTORS[:3], ids=mesh_ids(FACTORS[:3]))
 def test_matches_single_device_bf16(ep, tp, strategy, rng):
     # With tp > 1 each device's w2 GEMM gives a partial sum over its I slice,
     # rounded to bf16 before the reduction (as in any tensor-parallel layer), so
@@ -102,8 +115,7 @@ def test_matches_single_device_bf16(ep, tp, strategy, rng):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2), (2, 4), (1, 1)],
-                         ids=["ep8-tp1", "ep4-tp2", "ep2-tp4", "ep1-tp1"])
+@pytest.mark.parametrize("ep,tp", FACTORS[:3] + [(1, 1)], ids=mesh_ids(FACTORS[:3] + [(1, 1)]))
 def test_gradients_match_single_device(ep, tp, strategy, rng):
     """jax.grad through the sharded layer (each device's backward on the
     kernels, the collectives transposed) equals the single-device gradients,
@@ -133,7 +145,7 @@ def test_gradients_match_single_device(ep, tp, strategy, rng):
 def test_remat_gradients_match(strategy, rng):
     """remat=True recomputes each device's w13 GEMM in the backward with the
     forward's kernel: the same gradients, bit for bit, and less kept."""
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     x, logits, w13, w2 = make_inputs(rng, 29, jnp.float32)
     ct = jnp.asarray(rng.standard_normal((29, H)), jnp.float32)
 
@@ -155,7 +167,7 @@ def test_remat_gradients_match(strategy, rng):
 
 def test_options_match_single_device(rng):
     """shared expert, renormalize=False, gelu, the reference backend, f16."""
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     x, logits, w13, w2 = make_inputs(rng, 29, jnp.float32)
     shared = jnp.asarray(rng.standard_normal((29, H)), jnp.float32)
     kw = dict(renormalize=False, activation="gelu", shared_expert_output=shared)
@@ -173,7 +185,7 @@ def test_options_match_single_device(rng):
 
 def test_larger_topk_and_few_tokens(rng):
     """topk > E_loc (a token has several experts on one rank) and T < devices."""
-    mesh = make_mesh(8, 1)
+    mesh = make_mesh(N, 1)
     experts, topk = 16, 6
     for tokens in (3, 19):
         x, logits, w13, w2 = make_inputs(rng, tokens, jnp.float32, experts=experts)
@@ -185,7 +197,7 @@ def test_larger_topk_and_few_tokens(rng):
 
 def test_sharded_inputs_and_4d_w13(rng):
     """Inputs placed with moe_shardings, w13 as its (E, 2, I, H) view split over tp."""
-    mesh = make_mesh(2, 4)
+    mesh = make_mesh(N // 4, 4)
     sh = moe_shardings(mesh)
     x, logits, w13, w2 = make_inputs(rng, 64, jnp.float32)
     want = _single(x, logits, w13, w2, topk=K)
@@ -202,14 +214,14 @@ def test_sharded_inputs_and_4d_w13(rng):
 
 
 @pytest.mark.parametrize("names,shape,axes", [
-    (("data",), (8,), {}),                          # no ep / tp axis at all: pure data parallel
-    (("ep",), (8,), {}),                            # the default tp axis is optional
-    (("dp", "ep", "tp"), (2, 2, 2), {}),            # an extra data-parallel axis
-    (("x", "y"), (4, 2), {"ep_axis": "y", "tp_axis": "x"}),  # other names, other order
-    (("ep", "tp"), (4, 2), {"tp_axis": None}),     # tp turned off: replicated over "tp"
+    (("data",), (N,), {}),                          # no ep / tp axis at all: pure data parallel
+    (("ep",), (N,), {}),                            # the default tp axis is optional
+    (("dp", "ep", "tp"), (N // 4, 2, 2), {}),       # an extra data-parallel axis
+    (("x", "y"), HALF, {"ep_axis": "y", "tp_axis": "x"}),  # other names, other order
+    (("ep", "tp"), HALF, {"tp_axis": None}),       # tp turned off: replicated over "tp"
 ], ids=["data-only", "ep-only", "dp-ep-tp", "renamed", "tp-none"])
 def test_other_meshes(names, shape, axes, rng):
-    mesh = Mesh(np.asarray(DEVICES[:8]).reshape(shape), names)
+    mesh = Mesh(np.asarray(DEVICES).reshape(shape), names)
     x, logits, w13, w2 = make_inputs(rng, 45, jnp.float32, "uneven")
     want = _single(x, logits, w13, w2, topk=K)
     for strategy in STRATEGIES:
@@ -219,7 +231,7 @@ def test_other_meshes(names, shape, axes, rng):
 
 def test_inside_user_jit_no_retrace(rng):
     """Inside a user's jit (mesh closed over) and called twice: one compile."""
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     x, logits, w13, w2 = make_inputs(rng, 64, jnp.float32)
     fn = jax.jit(lambda a, b, c, d: 2.0 * moe_forward_sharded(a, b, c, d, K, mesh=mesh))
     want = 2.0 * _single(x, logits, w13, w2, topk=K)
@@ -234,7 +246,7 @@ def test_inside_user_jit_no_retrace(rng):
 def test_eager_inputs_committed_to_one_device(rng):
     """Arrays committed to a single device are moved onto the mesh (a plain jit
     would refuse them: "incompatible devices")."""
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     for tokens in (64, 37):
         x, logits, w13, w2 = (jax.device_put(a, DEVICES[0])
                               for a in make_inputs(rng, tokens, jnp.float32))
@@ -245,11 +257,11 @@ def test_eager_inputs_committed_to_one_device(rng):
 
 def test_auto_strategy(monkeypatch, rng):
     x, logits, w13, w2 = make_inputs(rng, 16, jnp.float32)
-    plan = parallel._make_plan(x, logits, w13, w2, K, make_mesh(8, 1), "ep", "tp", True,
+    plan = parallel._make_plan(x, logits, w13, w2, K, make_mesh(N, 1), "ep", "tp", True,
                                "silu", None, "ffi", "auto")
-    assert plan.strategy == "allgather"  # ep = 8 <= AUTO_ALLGATHER_MAX_EP
-    monkeypatch.setattr(parallel, "AUTO_ALLGATHER_MAX_EP", 4)
-    plan = parallel._make_plan(x, logits, w13, w2, K, make_mesh(8, 1), "ep", "tp", True,
+    assert plan.strategy == "allgather"  # ep = N <= AUTO_ALLGATHER_MAX_EP
+    monkeypatch.setattr(parallel, "AUTO_ALLGATHER_MAX_EP", N // 2)
+    plan = parallel._make_plan(x, logits, w13, w2, K, make_mesh(N, 1), "ep", "tp", True,
                                "silu", None, "ffi", "auto")
     assert plan.strategy == "all_to_all"
 
@@ -335,24 +347,24 @@ def test_hlo_collectives(ep, tp, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_hlo_collectives_3d_w13_and_padding(strategy):
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     # w13 in its plain (E, 2I, H) layout, experts over ep and replicated over tp:
     # each device slices its gate/up rows locally, no extra collective.
-    assert collectives(compiled_hlo(mesh, strategy, "3d")) == expected_collectives(4, 2, strategy)
+    assert collectives(compiled_hlo(mesh, strategy, "3d")) == expected_collectives(*HALF, strategy)
     # T = 61: padded to 64 inside, plus the all-gather of the unevenly sized output.
     assert collectives(compiled_hlo(mesh, strategy, tokens=61)) == \
-        expected_collectives(4, 2, strategy, padded=True)
+        expected_collectives(*HALF, strategy, padded=True)
 
 
 def test_hlo_bf16_and_a_stray_collective_is_caught():
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     assert collectives(compiled_hlo(mesh, "allgather", dtype=jnp.bfloat16)) == \
-        expected_collectives(4, 2, "allgather")
+        expected_collectives(*HALF, "allgather")
     # A naive contiguous split of the 2I axis over tp puts up-rows on the gate
     # device: XLA has to move weights to build the (gate_s, up_s) slices, and the
     # count check sees it.
     hlo = compiled_hlo(mesh, "allgather", P("ep", "tp", None))
-    assert collectives(hlo) != expected_collectives(4, 2, "allgather")
+    assert collectives(hlo) != expected_collectives(*HALF, "allgather")
 
 
 # ------------------------------------------------------------------ errors
@@ -360,11 +372,11 @@ def test_hlo_bf16_and_a_stray_collective_is_caught():
 def test_errors(rng):
     x, logits, w13, w2 = make_inputs(rng, 16, jnp.float32, experts=6, inter=3)
     with pytest.raises(ValueError, match=r"num_experts=6 .*ep=4"):
-        moe_forward_sharded(x, logits, w13, w2, K, mesh=make_mesh(4, 2))
+        moe_forward_sharded(x, logits, w13, w2, K, mesh=make_mesh(4, 1))
     with pytest.raises(ValueError, match=r"I=3 .*tp=2"):
         moe_forward_sharded(x, logits, w13, w2, K, mesh=make_mesh(2, 2))
     x, logits, w13, w2 = make_inputs(rng, 16, jnp.float32)
-    mesh = make_mesh(4, 2)
+    mesh = make_mesh(*HALF)
     with pytest.raises(ValueError, match=r"ep_axis='experts' is not an axis of the mesh"):
         moe_forward_sharded(x, logits, w13, w2, K, mesh=mesh, ep_axis="experts")
     with pytest.raises(ValueError, match=r"tp_axis='model' is not an axis of the mesh"):
@@ -384,7 +396,7 @@ def test_errors(rng):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2)], ids=["ep8-tp1", "ep4-tp2"])
+@pytest.mark.parametrize("ep,tp", FACTORS[:2], ids=mesh_ids(FACTORS[:2]))
 def test_deepseek_routing_sharded(rng, ep, tp, strategy):
     """Sigmoid scores, correction bias, group-limited top-k, scaling: each
     device routes its own tokens exactly as moe_forward does."""
@@ -438,7 +450,7 @@ def test_one_gpu_mesh_uses_cuda_kernels(rng, dtype):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2)], ids=["ep8-tp1", "ep4-tp2"])
+@pytest.mark.parametrize("ep,tp", FACTORS[:2], ids=mesh_ids(FACTORS[:2]))
 def test_zero_tokens(ep, tp, strategy, jit, rng):
     """No tokens: an empty output (the reduce-scatter of the allgather
     strategy cannot split zero rows, so nothing runs)."""
@@ -459,8 +471,8 @@ def fp8_inputs(rng, tokens, dtype, inter=256, hidden=64):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2), (1, 2), (1, 1)],
-                         ids=["ep8-tp1", "ep4-tp2", "ep1-tp2", "ep1-tp1"])
+@pytest.mark.parametrize("ep,tp", FACTORS[:2] + [(1, 2), (1, 1)],
+                         ids=mesh_ids(FACTORS[:2] + [(1, 2), (1, 1)]))
 def test_fp8_matches_single_device(ep, tp, strategy, rng):
     """Each device's I slice holds whole scale blocks, so every row is
     quantised as on one device; only the order of the w2 partial sums
@@ -476,7 +488,7 @@ def test_fp8_matches_single_device(ep, tp, strategy, rng):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("ep,tp", [(8, 1), (4, 2)], ids=["ep8-tp1", "ep4-tp2"])
+@pytest.mark.parametrize("ep,tp", FACTORS[:2], ids=mesh_ids(FACTORS[:2]))
 def test_fp8_gradients_match_single_device(ep, tp, strategy, rng):
     """Frozen fp8 experts: the gradients of the tokens and the router logits
     through the sharded layer equal the single-device ones."""
