@@ -100,9 +100,7 @@ def training_step(layer, backward: bool = True):
             return layer(h, lg, w13, w2), jnp.zeros((), jnp.float32), w13, w2
         out, vjp = jax.vjp(layer, h, lg, w13, w2)
         dx, dlg, dw13, dw2, out = jax.lax.optimization_barrier(vjp(ct) + (out,))
-        first = (0,) * 4
-        keep = (dlg[first[:dlg.ndim]] + dw13[first[:dw13.ndim]].astype(jnp.float32)
-                + dw2[first[:dw2.ndim]].astype(jnp.float32) + out[0, 0].astype(jnp.float32))
+        keep = sum(a[(0,) * a.ndim].astype(jnp.float32) for a in (dlg, dw13, dw2, out))
         return dx, keep, w13, w2
 
     return step
