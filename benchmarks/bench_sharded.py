@@ -52,6 +52,7 @@ collective-free per-device work.
     python benchmarks/bench_sharded.py                        # full grid, all devices
     python benchmarks/bench_sharded.py --shapes deepseek_v3 --tokens 1024
     python benchmarks/bench_sharded.py --device-counts 2 4 8  # scaling over 2, 4, 8 of them
+    python benchmarks/bench_sharded.py --tp 1                 # expert parallelism only
     python benchmarks/bench_sharded.py --quick                # tiny shape, 8 CPU host devices
     python benchmarks/bench_sharded.py --train                # training steps instead
 
@@ -329,6 +330,9 @@ def main() -> None:
     p.add_argument("--strategies", nargs="*", choices=STRATEGIES, default=list(STRATEGIES))
     p.add_argument("--device-counts", nargs="*", type=int,
                    help="run on the first n devices for each n given (default: all devices)")
+    p.add_argument("--tp", nargs="*", type=int,
+                   help="only the meshes with these tensor-parallel sizes (default: every "
+                        "factorisation ep x tp of the device count)")
     p.add_argument("--calls", type=int, default=None, help="layer calls per timed loop")
     p.add_argument("--repeats", type=int, default=None, help="timed loops per case (median)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
@@ -338,7 +342,7 @@ def main() -> None:
                         "forwards")
     p.add_argument("--json", default="bench_sharded.json")
     args = p.parse_args()
-    check_least(p, args, calls=1, repeats=1, tokens=1, device_counts=1)
+    check_least(p, args, calls=1, repeats=1, tokens=1, device_counts=1, tp=1)
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
@@ -404,6 +408,8 @@ def main() -> None:
                 sets, sets_n = token_sets(shape, all_devices[:n], tokens, dtype, tkey,
                                           args.train), n
             for ep, tp in factor_pairs(n, e, i):
+                if args.tp and tp not in args.tp:
+                    continue
                 for r in bench_mesh(shape, all_devices[:n], ep, tp, sets, args.strategies,
                                     dtype, calls, repeats, wkey, args.train):
                     t = r["tokens_per_device"]
