@@ -38,6 +38,22 @@ FROZEN_WEIGHTS = (
     "weights (jax_moe.fp8.dequantize_blocks) to differentiate with respect to them.")
 
 
+def refuse_weight_gradients(*primals) -> None:
+    """In the forward of a custom_vjp defined with symbolic_zeros=True: the
+    TypeError FROZEN_WEIGHTS when any of these primals (the fp8 weights and
+    their scales, or pytrees of them) is being differentiated."""
+    if any(p.perturbed for p in jax.tree.leaves(primals)):
+        raise TypeError(FROZEN_WEIGHTS)
+
+
+def dense_cotangent(g):
+    """A cotangent of a custom_vjp with symbolic_zeros=True as an array:
+    zeros where it is a symbolic zero."""
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(g.aval.shape, g.aval.dtype)
+    return g
+
+
 def blocks(n: int) -> int:
     """Number of 128-wide blocks covering n."""
     return -(-n // BLOCK)

@@ -57,8 +57,7 @@ def _fp8_routed(steps, spec: _checks.Layer, x, logits, w13, w2, bias, w13_scale,
                                spec.is_gated)
 
     def fused_fwd(*args):
-        if any(a.perturbed for a in args[3:]):
-            raise TypeError(fp8.FROZEN_WEIGHTS)
+        fp8.refuse_weight_gradients(*args[3:])
         values = tuple(a.value for a in args)
         return fused(*values), values
 

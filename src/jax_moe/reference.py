@@ -299,8 +299,7 @@ def _fp8_rows(x, w, w_scale, expert_sizes):
 
 
 def _fp8_rows_fwd(x, w, w_scale, expert_sizes):
-    if w.perturbed or w_scale.perturbed:
-        raise TypeError(fp8.FROZEN_WEIGHTS)
+    fp8.refuse_weight_gradients(w, w_scale)
     args = (x.value, w.value, w_scale.value, expert_sizes.value)
     return _fp8_rows(*args), args[1:]
 
@@ -308,9 +307,8 @@ def _fp8_rows_fwd(x, w, w_scale, expert_sizes):
 def _fp8_rows_bwd(res, g):
     # The kernels' rule: this GEMM of the cotangent on the transposed weights.
     w, w_scale, expert_sizes = res
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        g = jnp.zeros(g.aval.shape, g.aval.dtype)
-    return _fp8_rows(g, *fp8.transpose_blocks(w, w_scale), expert_sizes), None, None, None
+    return (_fp8_rows(fp8.dense_cotangent(g), *fp8.transpose_blocks(w, w_scale), expert_sizes),
+            None, None, None)
 
 
 _fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd, symbolic_zeros=True)

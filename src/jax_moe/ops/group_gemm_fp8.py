@@ -85,8 +85,7 @@ def _fp8_call(x, w, w_scale, expert_sizes, rows, shapes, gather: bool, topk: int
 
 
 def _fp8_call_fwd(x, w, w_scale, expert_sizes, rows, shapes, gather, topk, tile):
-    if w.perturbed or w_scale.perturbed:
-        raise TypeError(fp8.FROZEN_WEIGHTS)
+    fp8.refuse_weight_gradients(w, w_scale)
     out = _fp8_call(x.value, w.value, w_scale.value, expert_sizes.value, rows.value, shapes,
                     gather, topk, tile)
     return out, (w.value, w_scale.value, expert_sizes.value, rows.value)
@@ -94,9 +93,7 @@ def _fp8_call_fwd(x, w, w_scale, expert_sizes, rows, shapes, gather, topk, tile)
 
 def _fp8_call_bwd(shapes, gather, topk, tile, res, g):
     w, w_scale, expert_sizes, rows = res
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        g = jnp.zeros(g.aval.shape, g.aval.dtype)
-    dx = _group_gemm_fp8(g, *fp8.transpose_blocks(w, w_scale), expert_sizes)
+    dx = _group_gemm_fp8(fp8.dense_cotangent(g), *fp8.transpose_blocks(w, w_scale), expert_sizes)
     if gather:
         dx = gather_transpose(dx, rows, topk, shapes[3])
     return dx, None, None, None, None
