@@ -16,7 +16,8 @@ dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
 
 
-ACT_SHAPES = [(1, 2), (7, 14), (64, 26), (33, 260), (3, 5, 144)]  # (..., 2I)
+# (..., 2I); (1000, 1040): several blocks of 4 items a thread, the last one partial
+ACT_SHAPES = [(1, 2), (7, 14), (64, 26), (33, 260), (3, 5, 144), (1000, 1040)]
 
 
 @dtypes
@@ -74,7 +75,7 @@ def test_plain_activation_vmap(rng):
 
 # ---- the backward (the jax_moe_activation_grad kernel)
 
-GRAD_SHAPES = [(1, 2), (7, 14), (0, 16), (33, 260), (3, 5, 144)]  # (..., 2I); 2I/2 odd too
+GRAD_SHAPES = [(1, 2), (7, 14), (0, 16), (33, 260), (3, 5, 144), (1000, 1040)]  # 2I/2 odd too
 
 
 def _vjp(fn, h, g):
@@ -148,10 +149,11 @@ def test_activation_grad_nonfinite_stays_in_its_element(rng):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_activation_grad_sanitize(rng, gated, dtype):
     # Small, with a width that is not a multiple of the 16-byte vector (the
-    # scalar path) and one that is.
-    for width in (26, 32):
-        h = normal(rng, (5, width), dtype)
-        g = normal(rng, (5, width // 2 if gated else width), dtype)
+    # scalar path) and one that is, and several blocks ending in a partial one.
+    for rows, width in ((5, 26), (5, 32), (300, 1040)):
+        h = normal(rng, (rows, width), dtype)
+        g = normal(rng, (rows, width // 2 if gated else width), dtype)
+        assert_close(_op("gelu", gated)(h), _ref("gelu", gated)(h), dtype, "forward", atol=1e-5)
         assert_close(_vjp(_op("gelu", gated), h, g), _vjp(_ref("gelu", gated), h, g), dtype,
                      "vs reference autodiff", atol=1e-5)
 
