@@ -16,7 +16,7 @@ dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
 
 
-# (..., 2I); (1000, 1040): several blocks of 4 items a thread, the last one partial
+# (..., 2I); (1000, 1040): many blocks of the GPU kernel, the last one partial
 ACT_SHAPES = [(1, 2), (7, 14), (64, 26), (33, 260), (3, 5, 144), (1000, 1040)]
 
 
@@ -75,7 +75,8 @@ def test_plain_activation_vmap(rng):
 
 # ---- the backward (the jax_moe_activation_grad kernel)
 
-GRAD_SHAPES = [(1, 2), (7, 14), (0, 16), (33, 260), (3, 5, 144), (1000, 1040)]  # 2I/2 odd too
+# (..., 2I); 2I/2 odd too
+GRAD_SHAPES = [(1, 2), (7, 14), (0, 16), (33, 260), (3, 5, 144), (1000, 1040)]
 
 
 def _vjp(fn, h, g):
