@@ -10,8 +10,9 @@
 //      columns (16 weight rows) on tensor cores as the decode GEMM does
 //      (Fp8LoadBlockCodes / Fp8MmaBlock), then act in f32 to a scratch;
 //      plain activations take 16 act columns an item;
-//   2. every block quantises all slots' act rows into shared memory, then
-//      warp items (slot, 16 rows of w2) write y to a scratch;
+//   2. warp items (slot, 16 rows of w2) write y to a scratch, each block a
+//      contiguous run of them after quantising the act rows of the slots in
+//      its run into shared memory;
 //   3. out = sum over the slots in order of weight * y.
 // Rounding points are the step chain's (h, act and y in x's dtype, f32
 // sums); the order of every sum is fixed, so the result is the same bits run
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
                    s_ids[j] >= 0 && (p.gated ? i0 + g < I : i0 + 8 + g < I)};
   };
   using S = Fp8Storage<DT>;
-  Fp8QuantiseRows<DT>(static_cast<const S*>(p.x), H, 1, xq, sx, kbh);
+  Fp8QuantiseRows<DT, kFp8QuantBatch>(static_cast<const S*>(p.x), H, 1, xq, sx, kbh);
   for (int64_t item = first; item < items1; item += stride) {
     const int j = static_cast<int>(item / per_slot1);
     const int64_t i0 = item % per_slot1 * cols1;
@@ -154,8 +155,7 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
   }
   grid.sync();  // every slot's act written
 
-  // Step 2: the act rows quantised in every block, then item (slot j, w2
-  // rows [r0, r0 + 16)).
+  // Step 2: item (slot j, w2 rows [r0, r0 + 16)).
   const int64_t per_slot2 = (H + 15) / 16, items2 = k * per_slot2;
   auto job2 = [&](int64_t item) {
     const int j = static_cast<int>(item / per_slot2);
@@ -167,8 +167,20 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
                    s_ids[j] >= 0 && r0 + g + 8 < H};
   };
 
-  Fp8QuantiseRows<DType::F32>(p.act, I, k, aq, sa, kbi);
-  for (int64_t item = first; item < items2; item += stride) {
+  // A block takes a contiguous run of items, its warps strided over it, so
+  // that it quantises only the act rows of the slots in the run (one or two
+  // when the grid has at least k blocks) instead of all k: quantising all k
+  // in every block was the kernel's largest fixed cost.
+  const int64_t per_block2 = (items2 + gridDim.x - 1) / gridDim.x;
+  const int64_t lo2 = blockIdx.x * per_block2;
+  const int64_t hi2 = lo2 + per_block2 < items2 ? lo2 + per_block2 : items2;
+  if (lo2 < hi2) {  // uniform in the block
+    const int64_t j0 = lo2 / per_slot2, j1 = (hi2 - 1) / per_slot2;
+    Fp8QuantiseRows<DType::F32, kFp8QuantBatch>(p.act + j0 * I, I,
+                                                static_cast<int>(j1 - j0 + 1),
+                                                aq + j0 * kbi * kFp8Block, sa + j0 * kbi, kbi);
+  }
+  for (int64_t item = lo2 + warp; item < hi2; item += kWarps) {
     const int j = static_cast<int>(item / per_slot2);
     const int64_t r0 = item % per_slot2 * 16;
     float lo, hi;

@@ -78,46 +78,67 @@ __device__ __forceinline__ uint32_t Fp8DecodeHalf2(uint32_t codes) {
 template <DType DT>
 using Fp8Storage = std::conditional_t<DT == DType::F32, float, uint16_t>;
 
+// Tasks (8 channels) a thread of the one-token kernel loads before it
+// quantises any: there every block quantises the same rows from L2, and a
+// round of one load each, then the half-warp reductions, pays the load's
+// latency once a round. The decode-form GEMM keeps one (it was slower with
+// four).
+constexpr int kFp8QuantBatch = 4;
+
 // Rows [0, rows) of src (row pitch k elements, k % 8 == 0, 16-byte aligned)
 // quantised by the whole block into xq (row pitch kp = kb * 128 bytes; codes
 // past k are zero) and their block scales into sx (row pitch kb): a task is
-// 8 channels, a half-warp a 128-channel block. With `gather` (dst_to_src
-// entries of these rows), row i is instead src's row gather[i] / topk, a zero
-// row outside [0, limit). Ends with the block at a barrier, xq and sx written.
-template <DType DT>
+// 8 channels, a half-warp a 128-channel block; a thread issues the loads of
+// B tasks before it quantises them. With `gather` (dst_to_src entries of
+// these rows), row i is instead src's row gather[i] / topk, a zero row
+// outside [0, limit). Ends with the block at a barrier, xq and sx written.
+template <DType DT, int B = 1>
 __device__ void Fp8QuantiseRows(const Fp8Storage<DT>* __restrict__ src, int64_t k, int rows,
                                 uint8_t* xq, float* sx, int64_t kb,
                                 const int32_t* __restrict__ gather = nullptr, int64_t topk = 1,
                                 int64_t limit = 0) {
+  constexpr int kWords = DT == DType::F32 ? 2 : 1;  // 16-byte loads a task
   const int64_t kp = kb * kFp8Block, per_row = kp / 8;
   const int64_t tasks = rows * per_row;
+  const int64_t step = blockDim.x;
   const int lane = threadIdx.x & 31;
   __syncthreads();  // earlier readers of xq / sx are done
-  for (int64_t t0 = 0; t0 < tasks; t0 += blockDim.x) {  // uniform: shuffles below
-    const int64_t t = t0 + threadIdx.x;
-    const int64_t row = t / per_row, c0 = (t % per_row) * 8;
-    float v[8];
-    const int64_t from = gather == nullptr || t >= tasks
-                             ? row
-                             : ExpandSourceRow(gather[row], topk, limit);
-    if (t < tasks && c0 < k && from >= 0) {  // k % 8 == 0: all 8 in k
-      const Fp8Storage<DT>* p = src + from * k + c0;
-      if constexpr (DT == DType::F32) {
-        const float4 a = *reinterpret_cast<const float4*>(p);
-        const float4 b = *reinterpret_cast<const float4*>(p + 4);
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-        v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      } else {
-        Unpack<DT>(*reinterpret_cast<const uint4*>(p), v);
-      }
-    } else {
+  for (int64_t t0 = 0; t0 < tasks; t0 += B * step) {  // uniform: shuffles below
+    int64_t from[B];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    for (int b = 0; b < B; ++b) {
+      const int64_t t = t0 + b * step + threadIdx.x, row = t / per_row;
+      from[b] = t >= tasks || (t % per_row) * 8 >= k ? -1
+                : gather == nullptr                  ? row
+                                                     : ExpandSourceRow(gather[row], topk, limit);
     }
-    const float scale = Fp8HalfWarpScale(v);
-    if (t < tasks) {
-      *reinterpret_cast<uint2*>(xq + row * kp + c0) = Fp8Codes8(v, 1.0f / scale);
-      if ((lane & 15) == 0) sx[row * kb + c0 / kFp8Block] = scale;
+    uint4 raw[B][kWords];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int64_t c0 = ((t0 + b * step + threadIdx.x) % per_row) * 8;
+#pragma unroll
+      for (int w = 0; w < kWords; ++w)  // k % 8 == 0: all 8 channels in k
+        raw[b][w] = from[b] < 0 ? make_uint4(0, 0, 0, 0)
+                                : *reinterpret_cast<const uint4*>(src + from[b] * k + c0 +
+                                                                  w * (8 / kWords));
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (t0 + b * step >= tasks) break;  // uniform
+      const int64_t t = t0 + b * step + threadIdx.x;
+      const int64_t row = t / per_row, c0 = (t % per_row) * 8;
+      float v[8];
+      if constexpr (DT == DType::F32) {
+        memcpy(v, &raw[b][0], 16);
+        memcpy(v + 4, &raw[b][1], 16);
+      } else {
+        Unpack<DT>(raw[b][0], v);
+      }
+      const float scale = Fp8HalfWarpScale(v);
+      if (t < tasks) {
+        *reinterpret_cast<uint2*>(xq + row * kp + c0) = Fp8Codes8(v, 1.0f / scale);
+        if ((lane & 15) == 0) sx[row * kb + c0 / kFp8Block] = scale;
+      }
     }
   }
   __syncthreads();
