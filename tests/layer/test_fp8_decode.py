@@ -71,6 +71,7 @@ def check(a, **kw):
     (16, 16, 1, 1),        # the smallest: one expert, 16 channels
     (1024, 512, 16, 8),    # several K blocks in both GEMMs, k = 8
     (400, 48, 40, 16),     # the most slots; I below one block
+    (32, 16, 8, 8),        # 2 blocks: each one's run of w2 items spans 4 slots
 ])
 def test_matches_twin(rng, dtype, hidden, inter, experts, k):
     a = layer_inputs(rng, 1, hidden, inter, experts, dtype, k=k)
