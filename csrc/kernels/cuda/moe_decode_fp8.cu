@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
 
   // A block takes a contiguous run of items, its warps strided over it, so
   // that it quantises only the act rows of the slots in the run (one or two
-  // when the grid has at least k blocks) instead of all k: quantising all k
-  // in every block was the kernel's largest fixed cost.
+  // when the grid has at least k blocks) instead of all k, which in every
+  // block would be the kernel's largest fixed cost.
   const int64_t per_block2 = (items2 + gridDim.x - 1) / gridDim.x;
   const int64_t lo2 = blockIdx.x * per_block2;
   const int64_t hi2 = lo2 + per_block2 < items2 ? lo2 + per_block2 : items2;
