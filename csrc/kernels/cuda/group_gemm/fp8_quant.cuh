@@ -79,10 +79,10 @@ template <DType DT>
 using Fp8Storage = std::conditional_t<DT == DType::F32, float, uint16_t>;
 
 // Tasks (8 channels) a thread of the one-token kernel loads before it
-// quantises any: there every block quantises the same rows from L2, and a
-// round of one load each, then the half-warp reductions, pays the load's
-// latency once a round. The decode-form GEMM keeps one (slower with four:
-// docs/performance.md).
+// quantises any: there the rows come from L2 (x in every block, an act row
+// in the blocks whose w2 items use it), and a round of one load each, then
+// the half-warp reductions, pays the load's latency once a round. The
+// decode-form GEMM keeps one (slower with four: docs/performance.md).
 constexpr int kFp8QuantBatch = 4;
 
 // Rows [0, rows) of src (row pitch k elements, k % 8 == 0, 16-byte aligned)
