@@ -71,7 +71,10 @@ def test_expert_mlp_routing_edges(rng, case, tiles, dtype):
     if routing == "all_on_one":
         ids = jnp.full((tokens, 1), 2, jnp.int32)
     else:
-        ids = jnp.asarray(random_ids(rng, tokens, topk, experts))
+        ids = random_ids(rng, tokens, topk, experts)
+        if routing == "local_2_of_6":
+            ids[0] = (2, 0, 5)  # one row placed and one dropped whatever the draw
+        ids = jnp.asarray(ids)
     start, local = (2, 2) if routing == "local_2_of_6" else (0, experts)
     _, d2s, sizes = ref.moe_compute_token_index(ids, num_experts=experts, start_expert=start,
                                                 num_local_experts=local)
