@@ -56,9 +56,7 @@ def assert_close(actual, desired, dtype, what="", rtol=None, atol=0.0):
     assert a.shape == d.shape, f"{what}: shape {a.shape} != {d.shape}"
     assert np.all(np.isfinite(a)), f"{what}: non-finite values in the result"
     rtol = rtol_for(dtype) if rtol is None else rtol
-    # The rms over the rows that hold anything: the zero rows of a mostly
-    # unplaced GEMM would shrink it below the rounding of the others.
-    scale = 0.0
+    scale = 0.0  # the rms over the rows that hold anything (RTOL's comment)
     if d.size:
         rows = d.reshape(-1, d.shape[-1]) if d.ndim >= 2 else d.reshape(1, -1)
         held = rows[np.any(rows != 0, axis=1)]
