@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/group_gemm/schedule.cuh"
+#include "kernels/cuda/group_gemm/tensor_map.cuh"
 
 namespace jax_moe {
 namespace {
@@ -210,28 +211,6 @@ __global__ void __launch_bounds__(TmaCfg<Consumers, Stages, KB>::kThreads)
 // ---------------------------------------------------------------------------
 // Host side
 // ---------------------------------------------------------------------------
-
-// cuTensorMapEncodeTiled from the driver, found once through the runtime (no
-// link against libcuda); null when the driver does not have it.
-using TensorMapEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                       const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                       const cuuint32_t*, CUtensorMapInterleave,
-                                       CUtensorMapSwizzle, CUtensorMapL2promotion,
-                                       CUtensorMapFloatOOBfill);
-inline TensorMapEncodeFn TensorMapEncode() {
-  static const TensorMapEncodeFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<TensorMapEncodeFn>(nullptr);
-    }
-    return reinterpret_cast<TensorMapEncodeFn>(p);
-  }();
-  return fn;
-}
 
 // From this K on, the TMA kernel takes launches of at least 1.5 tiles per
 // SM: with long K rows (K = 14336, 2.4 tiles per SM) it was faster than tile
