@@ -19,8 +19,8 @@
 //    one step behind (wgmma.wait_group 1). Each output is summed over all of
 //    k by one warpgroup in k order: bitwise reproducible run to run.
 //  * The schedule: every CTA scans expert_sizes into shared memory
-//    (ScanSchedule); tiles are numbered in the grouped raster of the other
-//    kernels (DecodeBlock). Each CTA takes its first tile by its index and
+//    (ScanSchedule); tiles are numbered expert by expert, an expert's
+//    m-slots fastest (as CUTLASS's grouped scheduler along M). Each CTA takes its first tile by its index and
 //    the next ones from a device counter (each tile goes to the first CTA
 //    free, so the CTAs sharing a weight tile start it together even when
 //    the one-warpgroup tiles finish early), or with no counter by a static
@@ -214,11 +214,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       phase ^= 1u;
     }
   };
+  // Tile id -> (m-slot, column tile), expert by expert and, within an
+  // expert, its m-slots fastest: the m-slots that share a weight tile are
+  // consecutive ids (expert e's tiles start at id tile0[e] * ntiles).
   auto tile_of = [&](int64_t id, int* n0) {
-    int64_t mslot, ntile;
-    DecodeBlock(id, sch.tiles, a.ntiles, &mslot, &ntile);
-    *n0 = static_cast<int>(ntile * kCols);
-    return PersistTile<kWgBM>(sch, num_e, mslot);
+    const int64_t key = id / a.ntiles;  // tile0[e] * ntiles <= id  <=>  tile0[e] <= key
+    int lo = 0, hi = num_e - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sch.tile0[mid] <= key) lo = mid;
+      else hi = mid - 1;
+    }
+    const int64_t first = sch.tile0[lo], slots = sch.tile0[lo + 1] - first;
+    const int64_t local = id - first * a.ntiles;
+    *n0 = static_cast<int>(local / slots * kCols);
+    return PersistTile<kWgBM>(sch, num_e, first + local % slots);
   };
 
   if (wg == 0) {  // producer
