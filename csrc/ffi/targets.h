@@ -17,6 +17,7 @@ namespace jax_moe {
   X("jax_moe_token_index", TokenIndex)                      \
   X("jax_moe_expand", Expand)                               \
   X("jax_moe_group_gemm", GroupGemm)                        \
+  X("jax_moe_group_gemm_act", GroupGemmAct)                 \
   X("jax_moe_expert_mlp", ExpertMlp)                        \
   X("jax_moe_moe_layer", MoeLayer)                          \
   X("jax_moe_moe_decode", MoeDecode)                        \
@@ -106,6 +107,20 @@ auto GroupGemmSignature(Bound bound) {
       .template Attr<bool>("w_kn")  // w is (E, K, N): the dgrad (sm90 path only)
       .template Ret<xla::ffi::AnyBuffer>()  // out
       .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
+}
+
+// group_gemm_act (the forward-only layer's w13 GEMM with the gated activation)
+template <typename Bound>
+auto GroupGemmActSignature(Bound bound) {
+  return std::move(bound)
+      .template Arg<xla::ffi::AnyBuffer>()  // x (T, K)
+      .template Arg<xla::ffi::AnyBuffer>()  // w (E, 2I, K)
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_sizes
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst_to_src (M,)
+      .template Attr<int64_t>("topk")
+      .template Attr<int64_t>("activation")
+      .template Ret<xla::ffi::AnyBuffer>()  // out (M, I)
+      .template Ret<xla::ffi::AnyBuffer>();  // the tile counter (4 bytes; the GPU's)
 }
 
 // activation (ops.gated_activation, ops.activation)

@@ -64,7 +64,8 @@ from jax_moe._ffi import HAS_SM90_GEMM, _ext
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
            "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
            "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable", "TMA_TILE",
-           "tma_decode_device", "tma_decode_usable", "FP8_TILE_M", "FP8_DECODE_MAX_ROWS",
+           "tma_decode_device", "tma_decode_usable", "group_gemm_act_usable", "FP8_TILE_M",
+           "FP8_DECODE_MAX_ROWS",
            "default_fp8_tile_m", "group_gemm_fp8_tile_m", "fp8_sm90_usable", "fp8_decode_runs"]
 
 TILE_M = _checks.TILE_M
@@ -144,6 +145,17 @@ def sm90_shape_ok(n: int, k: int, dtype) -> bool:
 def sm90_usable(n: int, k: int, dtype) -> bool:
     """sm90_device() and sm90_shape_ok(n, k, dtype)."""
     return sm90_shape_ok(n, k, dtype) and sm90_device()
+
+
+def group_gemm_act_usable(experts: int, n: int, k: int, dtype) -> bool:
+    """Where the forward-only layer runs its w13 GEMM and the gated activation
+    as one kernel (ops.group_gemm_act's own Hopper kernel): sm90_device(),
+    bf16/f16, w13 (experts, n, k) with n (= 2 I) a multiple of 16, k of 8,
+    at most 1024 experts and experts * n below 2^31 (the kernel's int32
+    tensor-map coordinates)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and n > 0 and n % 16 == 0 and k > 0 and k % 8 == 0 and 0 < experts <= 1024
+            and experts * n < 2**31 and sm90_device())
 
 
 def default_tile_m(m: int, experts: int, sm90: bool | None = None,

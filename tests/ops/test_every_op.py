@@ -27,7 +27,7 @@ def test_every_target_registered_for_every_built_platform():
             "jax_moe_moe_layer", "jax_moe_moe_decode", "jax_moe_write_kv", "jax_moe_paged_decode",
             "jax_moe_fill_rows", "jax_moe_group_gemm_wgrad", "jax_moe_combine_bwd",
             "jax_moe_activation_grad", "jax_moe_activation_scaled_grad", "jax_moe_group_gemm_fp8",
-            "jax_moe_moe_decode_fp8"}
+            "jax_moe_moe_decode_fp8", "jax_moe_group_gemm_act"}
     assert set(regs) == ({"cpu", "CUDA"} if HAS_CUDA else {"cpu"})
     for platform, targets in regs.items():
         assert set(targets) == want, platform

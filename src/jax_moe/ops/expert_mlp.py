@@ -12,6 +12,7 @@ from jax_moe.ops._common import gemm_tile, sds
 from jax_moe.ops.activation import _activation_call, activation_vjp
 from jax_moe.ops.expand import _expand_call, gather_transpose
 from jax_moe.ops.group_gemm import _group_gemm_call, group_gemm_vjp
+from jax_moe.ops.group_gemm_act import _group_gemm_act_call
 from jax_moe._int32 import index_int32
 
 
@@ -54,8 +55,7 @@ def _expert_mlp_diff(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activa
                      tiles, remat):
     """_expert_mlp with the inverse map src_to_dst (or None) that its
     backward may use."""
-    return _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
-                            tiles)[0]
+    return _expert_mlp_out(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated, tiles)
 
 
 def _keeps_rows(m: int, x, w13, tiles, remat: bool) -> bool:
@@ -126,6 +126,23 @@ def w13_vjp(x, w13, expert_sizes, dst_to_src, src_to_dst, k: int, dh, xe=None):
         return group_gemm_vjp(x, w13, expert_sizes, dst_to_src, k, dh, src_to_dst)
     dxe, dw13 = group_gemm_vjp(xe, w13, expert_sizes, None, 1, dh)
     return gather_transpose(dxe, dst_to_src, k, x.shape[0], src_to_dst), dw13
+
+
+def _expert_mlp_out(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str,
+                    is_gated: bool, tiles=(None, None)):
+    """The forward's output (M, H) alone, where nothing keeps h: where w13's
+    GEMM is the sm90 tile and group_gemm_act runs (tuning.group_gemm_act_usable,
+    gated), the w13 GEMM and the activation are one kernel that never writes
+    h, with the same bits; else _expert_mlp_call."""
+    m = dst_to_src.shape[0]
+    t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tiles)
+    experts, n1, hidden = w13.shape
+    if (is_gated and t1 == tuning.SM90_TILE and 0 < m < 2**31 and x.shape[0] < 2**31
+            and tuning.group_gemm_act_usable(experts, n1, hidden, x.dtype)):
+        a = _group_gemm_act_call(x, w13, expert_sizes, dst_to_src, k, activation)
+        return _group_gemm_call(a, w2, expert_sizes, None, 1, t2)
+    return _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
+                            tiles)[0]
 
 
 def _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str,

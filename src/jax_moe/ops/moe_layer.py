@@ -12,7 +12,7 @@ from jax_moe import _checks, tuning
 from jax_moe._ffi import INDEX_CHUNK
 from jax_moe.ops._common import SCORING, bias_arg, sds
 from jax_moe.ops.combine import _combine
-from jax_moe.ops.expert_mlp import _expert_mlp_call, _mlp_tiles
+from jax_moe.ops.expert_mlp import _expert_mlp_out, _mlp_tiles
 from jax_moe.ops.route import _route
 from jax_moe.ops.routed_experts import routed_experts
 from jax_moe.ops.token_index import _token_index
@@ -97,8 +97,8 @@ def _moe_layer_call(hidden_states, router_logits, w13, w2, e_score_correction_bi
     if tuning.SM90_TILE in (t1, t2):
         weights, ids = _route(router_logits, e_score_correction_bias, r)
         src_to_dst, dst_to_src, sizes = _token_index(ids, experts, 0, experts)
-        y = _expert_mlp_call(x, w13, w2, sizes, dst_to_src, k, spec.activation, spec.is_gated,
-                             (t1, t2))[0]
+        y = _expert_mlp_out(x, w13, w2, sizes, dst_to_src, k, spec.activation, spec.is_gated,
+                            (t1, t2))
         return _combine(y, weights, src_to_dst)
     has_bias, bias = bias_arg(e_score_correction_bias, experts)
     chunks = -(-m // INDEX_CHUNK)

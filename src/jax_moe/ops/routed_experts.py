@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_moe.ops.activation import activation_scaled_vjp
 from jax_moe.ops.combine import _combine_call
 from jax_moe.ops.expand import _expand_call
-from jax_moe.ops.expert_mlp import (_expert_mlp_call, _expert_mlp_fwd, recompute_h, w13_vjp)
+from jax_moe.ops.expert_mlp import _expert_mlp_fwd, _expert_mlp_out, recompute_h, w13_vjp
 from jax_moe.ops.group_gemm import matmul_kn
 from jax_moe.ops.group_gemm_wgrad import _group_gemm_wgrad
 from jax_moe._int32 import index_int32
@@ -38,8 +38,7 @@ def routed_experts(x, w13, w2, topk_weights, expert_sizes, dst_to_src, src_to_ds
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
 def _routed_experts(x, w13, w2, topk_weights, expert_sizes, dst_to_src, src_to_dst, k,
                     activation, is_gated, tiles, remat):
-    y = _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,
-                         tiles)[0]
+    y = _expert_mlp_out(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated, tiles)
     return _combine_call(y, topk_weights, src_to_dst)
 
 

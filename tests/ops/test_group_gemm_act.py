@@ -1,0 +1,103 @@
+"""The forward-only layer's w13 GEMM with the gated activation in one kernel
+(jax_moe_group_gemm_act): the bits of group_gemm_gather then
+gated_activation, at routing and tile edges, every activation; on the GPU
+the own Hopper kernel (where tuning.group_gemm_act_usable holds, which every
+shape here satisfies on an H100/H200), on the CPU the two steps' kernels."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import (assert_close, assert_equal, gather_rows, mlp_weights, normal, on_cpu, ref,
+                    split_rows)
+from conftest import ON_GPU
+from jax_moe import ops, tuning
+from jax_moe.ops.group_gemm_act import _group_gemm_act_call
+
+HALF = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+ACTS = pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+
+
+def two_ops(x, w13, sizes, d2s, topk, activation):
+    h = ops.group_gemm_gather(x, w13, sizes, d2s, topk, tile_m=tuning.SM90_TILE)
+    return ops.gated_activation(h, activation)
+
+
+def check(x, w13, sizes, d2s, topk, activation, dtype, what):
+    if ON_GPU:  # the shapes here are all the kernel's
+        assert tuning.group_gemm_act_usable(w13.shape[0], w13.shape[1], w13.shape[2], dtype)
+    got = _group_gemm_act_call(x, w13, sizes, d2s, topk, activation)
+    m, inter = d2s.shape[0], w13.shape[1] // 2
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert_equal(got, two_ops(x, w13, sizes, d2s, topk, activation), what)
+    want = ref.gated_activation(
+        ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w13, sizes), activation)
+    assert_close(got, want, dtype, f"{what} vs reference")
+    placed = int(np.clip(np.asarray(sizes), 0, None).sum())
+    assert np.all(np.asarray(got)[placed:].astype(np.float32) == 0), f"{what}: tail rows"
+    return got
+
+
+# (T, H, I, E, topk): one token; a few rows an expert (the one-warpgroup
+# edge tile); 2I not a multiple of the 256 columns of a tile, H of the 64 k
+# of a stage; topk = E; many rows an expert (several 128-row tiles, one
+# edge tile each).
+SHAPES = [(1, 72, 8, 7, 2), (37, 136, 24, 6, 3), (150, 264, 200, 5, 5), (700, 520, 136, 3, 2)]
+
+
+@HALF
+@ACTS
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_group_gemm_act_same_bits_as_two_ops(rng, shape, activation, dtype):
+    tokens, hidden, inter, experts, topk = shape
+    x = normal(rng, (tokens, hidden), dtype)
+    w13, _ = mlp_weights(rng, experts, hidden, inter, dtype)
+    d2s, sizes = gather_rows(rng, tokens, topk, experts)  # with invalid entries
+    check(x, w13, sizes, d2s, topk, activation, dtype, f"{shape} {activation}")
+
+
+# Routing edges: one expert, every row on one expert of four (the others
+# empty, the first among them), rows past the placed ones (sum(sizes) < M).
+@HALF
+@pytest.mark.parametrize("pattern", ["one_expert", "all_on_one", "empty_first_middle_last",
+                                     "tail_rows"])
+def test_group_gemm_act_routing_edges(rng, pattern, dtype):
+    tokens, hidden, inter, topk = 200, 200, 72, 2
+    experts = 1 if pattern == "one_expert" else 4
+    m = tokens * topk
+    x = normal(rng, (tokens, hidden), dtype)
+    w13, _ = mlp_weights(rng, experts, hidden, inter, dtype)
+    d2s = jnp.asarray(rng.permutation(m).astype(np.int32))
+    if pattern == "one_expert":
+        sizes = np.array([m], np.int32)
+    elif pattern == "all_on_one":
+        sizes = np.array([0, 0, m, 0], np.int32)
+    elif pattern == "tail_rows":
+        sizes = np.array([100, 7, 0, 180], np.int32)  # 287 of 400 rows placed
+    else:
+        sizes = np.asarray(split_rows(rng, m, experts, pattern), np.int32)
+    check(x, w13, jnp.asarray(sizes), d2s, topk, "silu", dtype, pattern)
+
+
+def test_group_gemm_act_f32_on_cpu(rng):
+    # The CPU handler takes every float dtype (the GPU kernel bf16/f16 only).
+    tokens, hidden, inter, experts, topk = 9, 24, 6, 3, 2
+    x = normal(rng, (tokens, hidden), jnp.float32)
+    w13, _ = mlp_weights(rng, experts, hidden, inter, jnp.float32)
+    d2s, sizes = gather_rows(rng, tokens, topk, experts)
+    got = on_cpu(_group_gemm_act_call, x, w13, sizes, d2s, topk, "gelu")
+    assert_equal(got, on_cpu(two_ops, x, w13, sizes, d2s, topk, "gelu"), "f32")
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@HALF
+def test_group_gemm_act_cuda_vs_cpu(rng, dtype):
+    # Model-like widths: several column tiles and a long K loop, against the CPU handler.
+    tokens, hidden, inter, experts, topk = 512, 1024, 384, 16, 4
+    x = normal(rng, (tokens, hidden), dtype)
+    w13, _ = mlp_weights(rng, experts, hidden, inter, dtype)
+    d2s, sizes = gather_rows(rng, tokens, topk, experts)
+    got = _group_gemm_act_call(x, w13, sizes, d2s, topk, "silu")
+    assert_close(got, on_cpu(_group_gemm_act_call, x, w13, sizes, d2s, topk, "silu"), dtype,
+                 "CUDA vs CPU")
