@@ -202,6 +202,31 @@ __device__ __forceinline__ void TmaLoad2D(void* dst, const void* map, int c0, in
       "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar)), "l"(policy)
       : "memory");
 }
+// The same without a cache hint, and its 3-D and 4-D forms (c0 innermost).
+__device__ __forceinline__ void TmaLoad2D(void* dst, const void* map, int c0, int c1,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(SmemAddr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void TmaLoad3D(void* dst, const void* map, int c0, int c1, int c2,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(SmemAddr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void TmaLoad4D(void* dst, const void* map, int c0, int c1, int c2,
+                                          int c3, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(SmemAddr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(SmemAddr(bar))
+      : "memory");
+}
 // A bulk copy (no tensor map) of `bytes` (a multiple of 16; both addresses
 // 16-byte aligned) from global into shared memory, completion counted on
 // `bar`'s transactions.

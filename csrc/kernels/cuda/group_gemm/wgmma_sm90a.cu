@@ -128,32 +128,6 @@ __device__ __forceinline__ void WgmmaWait(float (&d)[128]) {
                : "memory");
 }
 
-// Bulk tensor loads without a cache hint, completion counted on `bar`.
-__device__ __forceinline__ void TmaLoad2DPlain(void* dst, const void* map, int c0, int c1,
-                                               uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(SmemAddr(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
-      : "memory");
-}
-__device__ __forceinline__ void TmaLoad4DPlain(void* dst, const void* map, int c0, int c1, int c2,
-                                               int c3, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(SmemAddr(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(SmemAddr(bar))
-      : "memory");
-}
-__device__ __forceinline__ void TmaLoad3DPlain(void* dst, const void* map, int c0, int c1, int c2,
-                                               uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(SmemAddr(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar))
-      : "memory");
-}
-
 template <DType DT>
 __device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
   if constexpr (DT == DType::BF16) {
@@ -285,14 +259,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           MbarArriveExpectTx(&full[stage],
                              kWgBBytes + (kGather ? 0 : (half ? kWgAHalf : kWgABytes)));
           if constexpr (kAct >= 0) {  // w as (k, n / 2, 2, e): gate rows, then their up rows
-            TmaLoad4DPlain(st + kWgABytes, &bmap, k0, n0, 0, e, &full[stage]);
-            TmaLoad4DPlain(st + kWgABytes + kWgBBytes / 2, &bmap, k0, n0, 1, e, &full[stage]);
+            TmaLoad4D(st + kWgABytes, &bmap, k0, n0, 0, e, &full[stage]);
+            TmaLoad4D(st + kWgABytes + kWgBBytes / 2, &bmap, k0, n0, 1, e, &full[stage]);
           } else {
-            TmaLoad3DPlain(st + kWgABytes, &bmap, k0, n0, e, &full[stage]);
+            TmaLoad3D(st + kWgABytes, &bmap, k0, n0, e, &full[stage]);
           }
           if (!kGather) {
-            TmaLoad2DPlain(st, &amap, k0, row0, &full[stage]);
-            if (!half) TmaLoad2DPlain(st + kWgAHalf, &amap, k0, row0 + 64, &full[stage]);
+            TmaLoad2D(st, &amap, k0, row0, &full[stage]);
+            if (!half) TmaLoad2D(st + kWgAHalf, &amap, k0, row0 + 64, &full[stage]);
           }
         }
         if (kGather) {
