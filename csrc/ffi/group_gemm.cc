@@ -14,6 +14,10 @@
 
 #include "kernels/cuda/group_gemm/launch.h"
 #endif
+#ifdef JAX_MOE_WITH_SM90
+#include "kernels/common/wgmma_rule.h"
+#include "kernels/cuda/group_gemm/wgmma_sm90a.h"
+#endif
 
 namespace jax_moe {
 namespace {
@@ -35,7 +39,8 @@ ffi::Error GroupGemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 }
 
 #ifdef JAX_MOE_WITH_CUDA
-// `scratch` (bytes) is only used by the sm90 path (tile_m = 256). w_kn (w as
+// `scratch` (bytes) is only used by the sm90 paths (tile_m = 256): CUTLASS's
+// group arrays and workspace, or the own kernel's tile counter. w_kn (w as
 // (E, K, N), the dgrad's layout) exists on that path only: Python asks for
 // it only where tuning.sm90_usable holds, and a call that still cannot take
 // the path fails with an error rather than reading w in the wrong layout.
@@ -53,6 +58,30 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
     const int32_t* row_src = gather ? rows.typed_data() : nullptr;
 #ifdef JAX_MOE_WITH_SM90
     if constexpr (DT != DType::F32) {
+      // The own Hopper kernel where the rule prefers it; its tile counter
+      // takes the scratch's first 4 bytes (the CUTLASS path then runs not).
+      if (tile_m == 256 && !w_kn && WgmmaPreferred(d.m, d.groups) &&
+          scratch->size_bytes() >= 4) {
+        WgmmaGemmCall c{};
+        c.stream = stream;
+        c.bf16 = DT == DType::BF16;
+        c.x = x.untyped_data();
+        c.w = w.untyped_data();
+        c.sizes = expert_sizes.typed_data();
+        c.rows = row_src;
+        c.topk = topk;
+        c.out = out->untyped_data();
+        c.m = d.m;
+        c.n = d.n;
+        c.k = d.k;
+        c.groups = d.groups;
+        c.x_rows = d.x_rows;
+        c.counter = static_cast<int*>(scratch->untyped_data());
+        bool ran = false;
+        const cudaError_t err = GroupGemmWgmma(c, &ran);
+        if (err != cudaSuccess) return CudaError(err, "group_gemm (wgmma) launch failed");
+        if (ran) return ffi::Error::Success();
+      }
       if (tile_m == 256) {
         Sm90GemmCall call{};
         call.stream = stream;

@@ -64,7 +64,7 @@ ffi::Error GroupGemmActCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 
 #ifdef JAX_MOE_WITH_CUDA
 // `counter` (4 bytes) is the kernel's tile counter. Python calls this target
-// only where tuning.group_gemm_act_usable holds; a call the kernel still
+// only where tuning.group_gemm_act_runs holds; a call the kernel still
 // cannot take fails with an error (there is no h to fall back on).
 ffi::Error GroupGemmActCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> expert_sizes, ffi::Buffer<ffi::S32> rows,

@@ -7,6 +7,7 @@
 #include "kernels/common/fp8_decode_rule.h"
 #include "kernels/common/moe_decode.h"
 #include "kernels/common/numeric.h"
+#include "kernels/common/wgmma_rule.h"
 
 #ifdef JAX_MOE_WITH_CUDA
 #include "kernels/cuda/device_info.h"
@@ -101,6 +102,7 @@ NB_MODULE(_jax_moe, m) {
         nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("groups"),
         "Bytes of group_gemm_fp8's scratch output for the sm90 path (0 without it).");
   m.attr("INDEX_CHUNK") = kIndexChunk;
+  m.attr("WGMMA_MAX_AVG_ROWS") = kWgmmaMaxAvgRows;
   // moe_decode's limits, which both handlers enforce; Python checks against these.
   nb::dict decode;
   decode["max_topk"] = kDecodeMaxTopk;

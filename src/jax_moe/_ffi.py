@@ -20,6 +20,10 @@ HAS_CUDA: bool = bool(_ext.has_cuda)
 # The CUTLASS sm90 grouped GEMM (group_gemm's tile_m=256) was built: CUDA on
 # and CUTLASS's headers (the nvidia-cutlass wheel) present at build time.
 HAS_SM90_GEMM: bool = bool(getattr(_ext, "HAS_SM90_GEMM", False))
+# Experts averaging at most this many rows run tile_m=256 on the own Hopper
+# kernel instead of CUTLASS's, and the forward-only layer fuses the w13 GEMM
+# with the activation (kernels/common/wgmma_rule.h).
+WGMMA_MAX_AVG_ROWS: int = int(_ext.WGMMA_MAX_AVG_ROWS)
 
 
 @functools.cache

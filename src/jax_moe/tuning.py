@@ -17,8 +17,10 @@ rule picks it wherever it would pick 8 and it is usable
 the 8 kernel at the launches too small for it; tables written before it
 existed answer 8).
 
-tile_m = 256 is the CUTLASS sm90 kernel (wgmma + TMA, csrc/kernels/cuda/
-group_gemm/, the *_sm90a.cu file). It is picked, by the rule or over the table, when all of
+tile_m = 256 is the Hopper kernels (wgmma + TMA, csrc/kernels/cuda/
+group_gemm/*_sm90a.cu): the own kernel where experts average at most
+``WGMMA_MAX_AVG_ROWS`` = 128 rows, CUTLASS's beyond (both sum K in the same
+order: the same bits). It is picked, by the rule or over the table, when all of
 these hold (``sm90_usable``): the extension has it (``HAS_SM90_GEMM``), JAX's
 default backend is a GPU and device 0 has compute capability 9.0 (H100/H200:
 the kernel is sm_90a code), the dtype is bf16 or f16, N and K are multiples
@@ -59,12 +61,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe import _checks
-from jax_moe._ffi import HAS_SM90_GEMM, _ext
+from jax_moe._ffi import HAS_SM90_GEMM, WGMMA_MAX_AVG_ROWS, _ext
 
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
            "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
            "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable", "TMA_TILE",
-           "tma_decode_device", "tma_decode_usable", "group_gemm_act_usable", "FP8_TILE_M",
+           "tma_decode_device", "tma_decode_usable", "wgmma_runs", "group_gemm_act_runs", "FP8_TILE_M",
            "FP8_DECODE_MAX_ROWS",
            "default_fp8_tile_m", "group_gemm_fp8_tile_m", "fp8_sm90_usable", "fp8_decode_runs"]
 
@@ -147,15 +149,21 @@ def sm90_usable(n: int, k: int, dtype) -> bool:
     return sm90_shape_ok(n, k, dtype) and sm90_device()
 
 
-def group_gemm_act_usable(experts: int, n: int, k: int, dtype) -> bool:
-    """Where the forward-only layer runs its w13 GEMM and the gated activation
-    as one kernel (ops.group_gemm_act's own Hopper kernel): sm90_device(),
-    bf16/f16, w13 (experts, n, k) with n (= 2 I) a multiple of 16, k of 8,
-    at most 1024 experts and experts * n below 2^31 (the kernel's int32
-    tensor-map coordinates)."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and n > 0 and n % 16 == 0 and k > 0 and k % 8 == 0 and 0 < experts <= 1024
-            and experts * n < 2**31 and sm90_device())
+def wgmma_runs(m: int, experts: int, n: int, k: int, dtype) -> bool:
+    """Where tile_m = 256 runs the own Hopper kernel for m rows and w
+    (experts, n, k): sm90_usable(n, k, dtype), at most 1024 experts,
+    experts * n below 2^31 (its int32 tensor-map coordinates) and experts
+    averaging at most WGMMA_MAX_AVG_ROWS rows (kernels/common/wgmma_rule.h,
+    the rule the CUDA handler applies)."""
+    return (0 < experts <= 1024 and experts * n < 2**31 and 0 < m <= WGMMA_MAX_AVG_ROWS * experts
+            and sm90_usable(n, k, dtype))
+
+
+def group_gemm_act_runs(m: int, experts: int, n: int, k: int, dtype) -> bool:
+    """Where the forward-only layer runs its w13 GEMM (m rows, w13 (experts,
+    n, k)) and the gated activation as one kernel (ops.group_gemm_act): where
+    wgmma_runs holds and n (= 2 I) is a multiple of 16."""
+    return n % 16 == 0 and wgmma_runs(m, experts, n, k, dtype)
 
 
 def default_tile_m(m: int, experts: int, sm90: bool | None = None,

@@ -28,7 +28,9 @@ def expert_mlp(x, w13, w2, expert_sizes, dst_to_src, topk: int, *, activation: s
     so that each starts while the previous one finishes (under XLA's command
     buffers that only works inside one custom call). tile_m: (w13's, w2's)
     tile_m as in group_gemm, None for the tuned choice; where either is 256
-    (the CUTLASS kernel) the three ops run as separate calls."""
+    (the Hopper kernels) the three ops run as separate calls (the first two
+    as one kernel, group_gemm_act, where tuning.group_gemm_act_runs holds and
+    no gradient is taken: the same bits)."""
     k, tiles = _checks.expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk, activation,
                                        is_gated, tile_m)
     return _expert_mlp(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated, tiles)
@@ -60,14 +62,16 @@ def _expert_mlp_diff(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activa
 
 def _keeps_rows(m: int, x, w13, tiles, remat: bool) -> bool:
     """Whether the training forward expands the rows itself and keeps them
-    for the w13 weight gradient: where w13's GEMM is the sm90 kernel, which
-    cannot gather rows in its loads and copies them first anyway (so the
-    forward does the same work, and the backward's weight gradient no longer
-    copies them again). Not under remat, which keeps memory down instead
-    (the rows are T*k x H)."""
+    for the w13 weight gradient: where w13's GEMM is CUTLASS's sm90 kernel,
+    which cannot gather rows in its loads and copies them first anyway (so
+    the forward does the same work, and the backward's weight gradient no
+    longer copies them again); not where the own Hopper kernel runs it
+    (tuning.wgmma_runs), which gathers in its loads. Not under remat, which
+    keeps memory down instead (the rows are T*k x H)."""
     t1 = gemm_tile(m, w13.shape, x.dtype, tiles[0])
-    return (not remat and t1 == tuning.SM90_TILE
-            and tuning.sm90_shape_ok(w13.shape[1], w13.shape[2], x.dtype))
+    experts, n, k = w13.shape
+    return (not remat and t1 == tuning.SM90_TILE and tuning.sm90_shape_ok(n, k, x.dtype)
+            and not tuning.wgmma_runs(m, experts, n, k, x.dtype))
 
 
 def _expert_mlp_fwd(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation, is_gated,
@@ -131,14 +135,14 @@ def w13_vjp(x, w13, expert_sizes, dst_to_src, src_to_dst, k: int, dh, xe=None):
 def _expert_mlp_out(x, w13, w2, expert_sizes, dst_to_src, k: int, activation: str,
                     is_gated: bool, tiles=(None, None)):
     """The forward's output (M, H) alone, where nothing keeps h: where w13's
-    GEMM is the sm90 tile and group_gemm_act runs (tuning.group_gemm_act_usable,
+    GEMM is the sm90 tile and group_gemm_act runs (tuning.group_gemm_act_runs,
     gated), the w13 GEMM and the activation are one kernel that never writes
     h, with the same bits; else _expert_mlp_call."""
     m = dst_to_src.shape[0]
     t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, tiles)
     experts, n1, hidden = w13.shape
-    if (is_gated and t1 == tuning.SM90_TILE and 0 < m < 2**31 and x.shape[0] < 2**31
-            and tuning.group_gemm_act_usable(experts, n1, hidden, x.dtype)):
+    if is_gated and t1 == tuning.SM90_TILE and tuning.group_gemm_act_runs(m, experts, n1, hidden,
+                                                                          x.dtype):
         a = _group_gemm_act_call(x, w13, expert_sizes, dst_to_src, k, activation)
         return _group_gemm_call(a, w2, expert_sizes, None, 1, t2)
     return _expert_mlp_call(x, w13, w2, expert_sizes, dst_to_src, k, activation, is_gated,

@@ -25,9 +25,10 @@ def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     jax_moe.tuning): rows per tile, 8 (the decode kernel), 16 (the TMA decode
     kernel on compute capability 9.0+ GPUs for bf16/f16 with K a multiple of
     8 and launches of at least 6 tiles per SM (1.5 from K = 8192), else 8),
-    32, 64 or 128 (the mma.sync tile kernel), or 256: the CUTLASS sm90 kernel
-    on compute capability 9.0 GPUs for bf16/f16 with N and K multiples of 8,
-    else 128."""
+    32, 64 or 128 (the mma.sync tile kernel), or 256: the Hopper kernels
+    (the own wgmma kernel where experts average at most 128 rows, CUTLASS's
+    beyond) on compute capability 9.0 GPUs for bf16/f16 with N and K
+    multiples of 8, else 128."""
     tile = _checks.group_gemm_args(x, w, expert_sizes, tile_m)
     return _group_gemm(x, w, expert_sizes, None, 1, tile)
 
@@ -98,14 +99,16 @@ def _group_gemm_call(x, w, expert_sizes, rows, topk: int, tile, w_kn: bool = Fal
     m = x.shape[0] if rows is None else rows.shape[0]
     tile = gemm_tile(m, (experts, n, k), x.dtype, tile)
     gather = rows is not None
-    # The sm90 kernel's device-side group arrays, CUTLASS workspace and (with
-    # a gather) expanded rows live in a second output: an XLA buffer keeps a
-    # fixed address in a recorded CUDA graph, where memory from the FFI
-    # scratch allocator would be freed when the handler returns. Empty
-    # wherever that kernel will not run.
-    scratch = (_ext.group_gemm_sm90_scratch_bytes(m, k, experts, gather)
-               if tile == tuning.SM90_TILE and m > 0 and experts > 0
-               and tuning.sm90_usable(n, k, x.dtype) else 0)
+    # The Hopper kernels' scratch lives in a second output: an XLA buffer
+    # keeps a fixed address in a recorded CUDA graph, where memory from the
+    # FFI scratch allocator would be freed when the handler returns. The own
+    # kernel's is its tile counter; CUTLASS's, the device-side group arrays,
+    # its workspace and (with a gather) the expanded rows. Empty wherever
+    # neither will run.
+    scratch = 0
+    if tile == tuning.SM90_TILE and m > 0 and experts > 0 and tuning.sm90_usable(n, k, x.dtype):
+        scratch = (16 if not w_kn and tuning.wgmma_runs(m, experts, n, k, x.dtype)
+                   else _ext.group_gemm_sm90_scratch_bytes(m, k, experts, gather))
     call = jax.ffi.ffi_call(
         "jax_moe_group_gemm", (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
         vmap_method="sequential")

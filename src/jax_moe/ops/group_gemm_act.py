@@ -18,7 +18,9 @@ def _group_gemm_act_call(x, w13, expert_sizes, dst_to_src, k: int, activation: s
     then the activation in f32), without writing the product: x (T, H),
     w13 (E, 2*I, H), dst_to_src (M,) -> (M, I). Not differentiable (the
     training forward keeps the product for the backward). On the GPU only
-    where tuning.group_gemm_act_usable holds; on the CPU anywhere."""
+    within the kernel's limits (tuning.group_gemm_act_runs without its rows
+    rule: compute capability 9.0, bf16/f16, 2I a multiple of 16, H of 8, at
+    most 1024 experts); on the CPU anywhere."""
     m = dst_to_src.shape[0]
     inter = w13.shape[1] // 2
     call = jax.ffi.ffi_call(

@@ -32,7 +32,7 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
     One call instead of four: on a compute capability 9.0+ GPU every kernel
     after the router starts while the one before it finishes (programmatic
     dependent launch, which under XLA's command buffers only works inside one
-    custom call). Where either GEMM's tile is the CUTLASS kernel's (256), the
+    custom call). Where either GEMM's tile is the Hopper kernels' (256), the
     ops run as separate calls, as in expert_mlp."""
     spec = _checks.moe_layer_args(
         hidden_states, router_logits, w13, w2, topk, scoring_func=scoring_func,
