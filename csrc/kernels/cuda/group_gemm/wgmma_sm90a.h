@@ -40,8 +40,9 @@ struct WgmmaGemmCall {
 // and k multiples of 8, k > 0, 16-byte aligned operands, groups <= 1024,
 // m, n, k, groups * n < 2^31; with act, a gather and
 // n % 16 == 0) and sets *ran; otherwise launches nothing and
-// leaves *ran false. Launches one kernel on c.stream: no sync, no allocation,
-// no scratch. Returns the CUDA error of a failed launch.
+// leaves *ran false. On c.stream only: zeroes c.counter (when given), then
+// one kernel; no sync, no allocation. Returns the CUDA error of a failed
+// launch.
 cudaError_t GroupGemmWgmma(const WgmmaGemmCall& c, bool* ran);
 
 }  // namespace jax_moe
