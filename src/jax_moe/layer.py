@@ -148,8 +148,8 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     GEMMs for the weights', the activation's and the router's backward);
     the forward keeps the router's weights, the token index and the w13
     GEMM's output (T*k rows of 2I) for it, and where w13's GEMM is the
-    Hopper kernel (which copies the rows before its loads anyway) the
-    expanded input rows (T*k rows of H); not the expert outputs. remat=True
+    Hopper tile (256: CUTLASS's kernel copies the rows before its loads
+    anyway) the expanded input rows (T*k rows of H); not the expert outputs. remat=True
     keeps neither w13's output nor those rows and recomputes that GEMM in
     the backward instead.
 

@@ -62,16 +62,15 @@ def _expert_mlp_diff(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activa
 
 def _keeps_rows(m: int, x, w13, tiles, remat: bool) -> bool:
     """Whether the training forward expands the rows itself and keeps them
-    for the w13 weight gradient: where w13's GEMM is CUTLASS's sm90 kernel,
-    which cannot gather rows in its loads and copies them first anyway (so
-    the forward does the same work, and the backward's weight gradient no
-    longer copies them again); not where the own Hopper kernel runs it
-    (tuning.wgmma_runs), which gathers in its loads. Not under remat, which
+    for the w13 weight gradient: where w13's GEMM is the sm90 tile (256).
+    CUTLASS's kernel cannot gather rows in its loads and copies them first
+    anyway, so the forward does the same work and the backward's weight
+    gradient no longer copies them again; the own Hopper kernel
+    (tuning.wgmma_runs) reads the kept rows by TMA. Not under remat, which
     keeps memory down instead (the rows are T*k x H)."""
     t1 = gemm_tile(m, w13.shape, x.dtype, tiles[0])
-    experts, n, k = w13.shape
-    return (not remat and t1 == tuning.SM90_TILE and tuning.sm90_shape_ok(n, k, x.dtype)
-            and not tuning.wgmma_runs(m, experts, n, k, x.dtype))
+    return (not remat and t1 == tuning.SM90_TILE
+            and tuning.sm90_shape_ok(w13.shape[1], w13.shape[2], x.dtype))
 
 
 def _expert_mlp_fwd(x, w13, w2, expert_sizes, dst_to_src, src_to_dst, k, activation, is_gated,
