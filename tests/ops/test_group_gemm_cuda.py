@@ -320,19 +320,26 @@ def test_group_gemm_sm90_scratch_bytes():
 
 
 @pytest.mark.parametrize("tile_m", [128, 256])
-def test_group_gemm_scratch_output_only_for_sm90(rng, tile_m):
-    # The custom call's second output is the sm90 kernel's scratch: sized by
-    # the extension where that kernel will run, empty everywhere else.
+@pytest.mark.parametrize("m", [256, 1024])
+def test_group_gemm_scratch_output_only_for_sm90(rng, tile_m, m):
+    # The custom call's second output is the Hopper kernels' scratch: the own
+    # kernel's 16-byte tile counter where experts average at most
+    # WGMMA_MAX_AVG_ROWS rows (m = 256 over 4 experts), CUTLASS's arrays sized
+    # by the extension above that (m = 1024), empty where neither runs.
     from jax_moe import tuning
     from jax_moe._ffi import _ext
-    m, k, n, experts = 256, 64, 72, 4
+    k, n, experts = 64, 72, 4
     x = normal(rng, (m, k), jnp.bfloat16)
     w = normal(rng, (experts, n, k), jnp.bfloat16)
     sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
     text = jax.jit(functools.partial(ops.group_gemm, tile_m=tile_m)).lower(x, w, sizes).as_text()
     scratch = [int(b) for b in re.findall(r"tensor<(\d+)xui8>", text)]
-    want = (_ext.group_gemm_sm90_scratch_bytes(m, k, experts, False)
-            if tile_m == 256 and tuning.sm90_usable(n, k, jnp.bfloat16) else 0)
+    if tile_m != 256 or not tuning.sm90_usable(n, k, jnp.bfloat16):
+        want = 0
+    elif m <= tuning.WGMMA_MAX_AVG_ROWS * experts:
+        want = 16
+    else:
+        want = _ext.group_gemm_sm90_scratch_bytes(m, k, experts, False)
     assert scratch == [want], text
 
 
