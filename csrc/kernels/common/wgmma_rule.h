@@ -13,7 +13,7 @@ namespace jax_moe {
 // edge tiles waste less than CUTLASS's 128-row ones and its fused gather
 // and activation save a copy; with more rows an expert CUTLASS's kernel
 // was the faster in the kernel benchmark
-// (benchmarks/kernels/wgmma_gemm_bench.cu).
+// (benchmarks/kernels/wgmma_gemm_bench.cu; docs/performance.md, Grouped GEMM).
 constexpr int64_t kWgmmaMaxAvgRows = 128;
 
 inline bool WgmmaPreferred(int64_t m, int64_t groups) {
