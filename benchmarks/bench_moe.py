@@ -24,6 +24,7 @@ cores).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from datetime import date
 
@@ -109,23 +110,35 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 
     return run
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def random_weights(key, shape, scale, dtype):
+    """(E, N, K) N(0, scale²) weights in `dtype`, or block-quantised fp8
+    (codes, scales) when dtype is None, drawn 8 experts at a time so no f32
+    copy of the whole tensor exists (DeepSeek-V3's w13 alone takes 30 GB in
+    f32; with w2 and the converted copies the weights did not fit an 80 GB
+    GPU)."""
+    def one(k):
+        w = jax.random.normal(k, shape[1:], jnp.float32) * scale
+        return fp8_format.quantize_blocks(w) if dtype is None else w.astype(dtype)
+    return jax.lax.map(one, jax.random.split(key, shape[0]), batch_size=8)
+
+
 def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_rate, rng,
                ref_chunks=1, fp8=False):
     h, i, e, k = shape
     keys = jax.random.split(jax.random.PRNGKey(rng.integers(1 << 30)), 4)
     x = (jax.random.normal(keys[0], (tokens, h), jnp.float32)).astype(dtype)
     logits = jax.random.normal(keys[1], (ROUTINGS, tokens, e), jnp.float32)
-    w13 = jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5
-    w2 = jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5
     if fp8:
-        # jitted: one fused pass (eagerly, DeepSeek-V3's f32 w13 takes 30 GB a copy)
-        quantize = jax.jit(fp8_format.quantize_blocks)
-        (w13, s13), (w2, s2) = quantize(w13), quantize(w2)
+        (w13, s13), (w2, s2) = (random_weights(keys[2], (e, 2 * i, h), h**-0.5, None),
+                                random_weights(keys[3], (e, h, i), i**-0.5, None))
         scales = (s13, s2)
         # one byte a weight, and each expert's scales (f32)
         per_expert = 3 * h * i + 4 * (s13[0].size + s2[0].size)
     else:
-        w13, w2, scales = w13.astype(dtype), w2.astype(dtype), (None, None)
+        w13 = random_weights(keys[2], (e, 2 * i, h), h**-0.5, dtype)
+        w2 = random_weights(keys[3], (e, h, i), i**-0.5, dtype)
+        scales = (None, None)
         per_expert = 3 * h * i * jnp.dtype(dtype).itemsize
 
     routing = ROUTING.get(name, {})

@@ -28,8 +28,6 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_moe  # noqa: E402
 
-from jax_moe import fp8  # noqa: E402
-
 
 def gpu_kernel_events(trace: dict) -> list:
     """The complete ("X") events on the GPU processes' stream threads (the
@@ -74,13 +72,15 @@ def main(argv=None) -> int:
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(keys[0], (args.tokens, h), jnp.float32).astype(jnp.bfloat16)
     logits = jax.random.normal(keys[1], (bench_moe.ROUTINGS, args.tokens, e), jnp.float32)
-    w13 = jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5
-    w2 = jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5
-    if args.fp8:
-        (w13, s13), (w2, s2) = jax.jit(fp8.quantize_blocks)(w13), jax.jit(fp8.quantize_blocks)(w2)
+    w13_shape, w2_shape = ((e, 2 * i, h), h**-0.5), ((e, h, i), i**-0.5)
+    if args.fp8:  # dtype None: block-quantised fp8 codes and scales
+        (w13, s13), (w2, s2) = (bench_moe.random_weights(keys[2], *w13_shape, None),
+                                bench_moe.random_weights(keys[3], *w2_shape, None))
         scales = (s13, s2)
     else:
-        w13, w2, scales = w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), (None, None)
+        w13 = bench_moe.random_weights(keys[2], *w13_shape, jnp.bfloat16)
+        w2 = bench_moe.random_weights(keys[3], *w2_shape, jnp.bfloat16)
+        scales = (None, None)
     routing = bench_moe.ROUTING.get(args.shape, {})
     bias = jnp.zeros((e,), jnp.float32) if routing else None
     run = bench_moe.make_loop("ffi", k, args.calls, routing)
