@@ -71,7 +71,7 @@ __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "loa
            "default_fp8_tile_m", "group_gemm_fp8_tile_m", "fp8_sm90_usable", "fp8_decode_runs"]
 
 TILE_M = _checks.TILE_M
-SM90_TILE = 256      # tile_m value of the CUTLASS sm90 kernel
+SM90_TILE = 256      # tile_m value of the Hopper kernels (own or CUTLASS: wgmma_runs)
 TMA_TILE = 16        # tile_m value of the TMA decode kernel
 # Rows per expert (average) up to which the rule picks the decode kernel (8);
 # above, the sm90 kernel where usable. Measured on the H200 for the GEMMs of
