@@ -3,6 +3,7 @@ so this sibling module is importable)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -123,6 +124,28 @@ def training_chain(step, calls: int, x, logits, w13, w2, ct):
         return after(x, nxt), keep, w13, w2
 
     return chain(body, calls, (x, jnp.zeros((), jnp.float32), w13, w2))[:2]
+
+
+@functools.cache
+def _weights_program():
+    import jax
+    import jax.numpy as jnp
+    from jax_moe import fp8
+
+    def make(key, shape, scale, dtype):
+        def one(k):
+            w = jax.random.normal(k, shape[1:], jnp.float32) * scale
+            return fp8.quantize_blocks(w) if dtype is None else w.astype(dtype)
+        return jax.lax.map(one, jax.random.split(key, shape[0]), batch_size=8)
+    return jax.jit(make, static_argnums=(1, 2, 3))
+
+
+def random_weights(key, shape, scale, dtype):
+    """(E, N, K) N(0, scale²) weights in `dtype`, or block-quantised fp8
+    (codes, scales) when dtype is None, drawn 8 experts at a time in one
+    jitted program so no f32 copy of the whole tensor exists (DeepSeek-V3's
+    w13 alone takes 30 GB in f32)."""
+    return _weights_program()(key, tuple(shape), float(scale), dtype)
 
 
 def write_json(path, meta, rows) -> None:

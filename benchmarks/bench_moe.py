@@ -24,7 +24,6 @@ cores).
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from datetime import date
 
@@ -32,10 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _bench_common import (after, chain, check_least, per_call_seconds, pick_shapes, pyplot,
-                           wall_time, write_json)
+                           random_weights, wall_time, write_json)
 
 import jax_moe
-from jax_moe import fp8 as fp8_format
 
 SHAPES = {  # name: (H, I, E, k)
     **jax_moe.tuning.MODEL_SHAPES,
@@ -108,19 +106,6 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 
         return chain(body, calls, x)
 
     return run
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def random_weights(key, shape, scale, dtype):
-    """(E, N, K) N(0, scale²) weights in `dtype`, or block-quantised fp8
-    (codes, scales) when dtype is None, drawn 8 experts at a time so no f32
-    copy of the whole tensor exists (DeepSeek-V3's w13 alone takes 30 GB in
-    f32; with w2 and the converted copies the weights did not fit an 80 GB
-    GPU)."""
-    def one(k):
-        w = jax.random.normal(k, shape[1:], jnp.float32) * scale
-        return fp8_format.quantize_blocks(w) if dtype is None else w.astype(dtype)
-    return jax.lax.map(one, jax.random.split(key, shape[0]), batch_size=8)
 
 
 def bench_case(name, shape, tokens, dtype, calls, ref_calls, repeats, bw, flops_rate, rng,

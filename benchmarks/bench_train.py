@@ -27,8 +27,8 @@ from datetime import date
 
 import jax
 import jax.numpy as jnp
-from _bench_common import (check_least, per_call_seconds, pick_shapes, training_chain,
-                           training_step, write_json)
+from _bench_common import (check_least, per_call_seconds, pick_shapes, random_weights,
+                           training_chain, training_step, write_json)
 
 import jax_moe
 
@@ -45,8 +45,8 @@ def _inputs(shape, tokens, dtype, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     x = jax.random.normal(keys[0], (tokens, h), jnp.float32).astype(dtype)
     logits = jax.random.normal(keys[1], (ROUTINGS, tokens, e), jnp.float32)
-    w13 = (jax.random.normal(keys[2], (e, 2 * i, h), jnp.float32) * h**-0.5).astype(dtype)
-    w2 = (jax.random.normal(keys[3], (e, h, i), jnp.float32) * i**-0.5).astype(dtype)
+    w13 = random_weights(keys[2], (e, 2 * i, h), h**-0.5, dtype)
+    w2 = random_weights(keys[3], (e, h, i), i**-0.5, dtype)
     ct = (jax.random.normal(keys[4], (tokens, h), jnp.float32) * 0.01).astype(dtype)
     return x, logits, w13, w2, ct
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_moe  # noqa: E402
+from _bench_common import random_weights  # noqa: E402
 
 
 def gpu_kernel_events(trace: dict) -> list:
@@ -74,12 +75,12 @@ def main(argv=None) -> int:
     logits = jax.random.normal(keys[1], (bench_moe.ROUTINGS, args.tokens, e), jnp.float32)
     w13_shape, w2_shape = ((e, 2 * i, h), h**-0.5), ((e, h, i), i**-0.5)
     if args.fp8:  # dtype None: block-quantised fp8 codes and scales
-        (w13, s13), (w2, s2) = (bench_moe.random_weights(keys[2], *w13_shape, None),
-                                bench_moe.random_weights(keys[3], *w2_shape, None))
+        (w13, s13), (w2, s2) = (random_weights(keys[2], *w13_shape, None),
+                                random_weights(keys[3], *w2_shape, None))
         scales = (s13, s2)
     else:
-        w13 = bench_moe.random_weights(keys[2], *w13_shape, jnp.bfloat16)
-        w2 = bench_moe.random_weights(keys[3], *w2_shape, jnp.bfloat16)
+        w13 = random_weights(keys[2], *w13_shape, jnp.bfloat16)
+        w2 = random_weights(keys[3], *w2_shape, jnp.bfloat16)
         scales = (None, None)
     routing = bench_moe.ROUTING.get(args.shape, {})
     bias = jnp.zeros((e,), jnp.float32) if routing else None

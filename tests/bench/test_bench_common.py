@@ -125,3 +125,29 @@ def test_benches_reject_bad_arguments(script, argv):
     assert proc.returncode == 2, proc.stderr
     assert argv[0] in proc.stderr.splitlines()[-1]
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", None])
+def test_random_weights_per_expert_draws(bench_common, dtype):
+    # Shapes and dtypes as asked, N(0, scale²) values, experts drawn apart
+    # (not one expert repeated); fp8 gives codes and one scale per 128 x 128
+    # block that dequantise to the same spread. 9 experts: a batch of 8 and one.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_moe import fp8
+
+    e, n, k, scale = 9, 200, 136, 0.05
+    got = bench_common.random_weights(jax.random.PRNGKey(3), (e, n, k), scale,
+                                      None if dtype is None else jnp.dtype(dtype))
+    if dtype is None:
+        codes, scales = got
+        assert codes.dtype == jnp.float8_e4m3fn and codes.shape == (e, n, k)
+        assert scales.dtype == jnp.float32 and scales.shape == (e, 2, 2)
+        w = np.asarray(fp8.dequantize_blocks(codes, scales))
+    else:
+        assert got.dtype == jnp.dtype(dtype) and got.shape == (e, n, k)
+        w = np.asarray(got, np.float32)
+    assert abs(w.std() / scale - 1) < 0.02 and abs(w.mean()) < 0.01 * scale
+    assert all(not np.array_equal(w[0], w[j]) for j in range(1, e))
+    assert 0.9 < w[8].std() / scale < 1.1  # the last, partial batch is drawn too
