@@ -73,14 +73,14 @@ def main(argv=None) -> int:
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(keys[0], (args.tokens, h), jnp.float32).astype(jnp.bfloat16)
     logits = jax.random.normal(keys[1], (bench_moe.ROUTINGS, args.tokens, e), jnp.float32)
-    w13_shape, w2_shape = ((e, 2 * i, h), h**-0.5), ((e, h, i), i**-0.5)
+    w13_draw, w2_draw = ((e, 2 * i, h), h**-0.5), ((e, h, i), i**-0.5)  # shape, scale
     if args.fp8:  # dtype None: block-quantised fp8 codes and scales
-        (w13, s13), (w2, s2) = (random_weights(keys[2], *w13_shape, None),
-                                random_weights(keys[3], *w2_shape, None))
+        (w13, s13), (w2, s2) = (random_weights(keys[2], *w13_draw, None),
+                                random_weights(keys[3], *w2_draw, None))
         scales = (s13, s2)
     else:
-        w13 = random_weights(keys[2], *w13_shape, jnp.bfloat16)
-        w2 = random_weights(keys[3], *w2_shape, jnp.bfloat16)
+        w13 = random_weights(keys[2], *w13_draw, jnp.bfloat16)
+        w2 = random_weights(keys[3], *w2_draw, jnp.bfloat16)
         scales = (None, None)
     routing = bench_moe.ROUTING.get(args.shape, {})
     bias = jnp.zeros((e,), jnp.float32) if routing else None
