@@ -15,8 +15,8 @@
 #include "kernels/cuda/group_gemm/launch.h"
 #endif
 #ifdef JAX_MOE_WITH_SM90
+#include "ffi/wgmma_call.h"
 #include "kernels/common/wgmma_rule.h"
-#include "kernels/cuda/group_gemm/wgmma_sm90a.h"
 #endif
 
 namespace jax_moe {
@@ -62,25 +62,11 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
       // takes the scratch's first 4 bytes (the CUTLASS path then runs not).
       if (tile_m == 256 && !w_kn && WgmmaPreferred(d.m, d.groups) &&
           scratch->size_bytes() >= 4) {
-        WgmmaGemmCall c{};
-        c.stream = stream;
-        c.bf16 = DT == DType::BF16;
-        c.x = x.untyped_data();
-        c.w = w.untyped_data();
-        c.sizes = expert_sizes.typed_data();
-        c.rows = row_src;
-        c.topk = topk;
-        c.out = out->untyped_data();
-        c.m = d.m;
-        c.n = d.n;
-        c.k = d.k;
-        c.groups = d.groups;
-        c.x_rows = d.x_rows;
-        c.counter = static_cast<int*>(scratch->untyped_data());
         bool ran = false;
-        const cudaError_t err = GroupGemmWgmma(c, &ran);
-        if (err != cudaSuccess) return CudaError(err, "group_gemm (wgmma) launch failed");
-        if (ran) return ffi::Error::Success();
+        if (auto err = RunGroupGemmWgmma(stream, x, w, expert_sizes, row_src, topk, -1, d, *out,
+                                         *scratch, "group_gemm (wgmma) launch failed", &ran);
+            err.failure() || ran)
+          return err;
       }
       if (tile_m == 256) {
         Sm90GemmCall call{};

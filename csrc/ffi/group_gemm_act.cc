@@ -16,7 +16,7 @@
 #include <cuda_runtime_api.h>
 #endif
 #ifdef JAX_MOE_WITH_SM90
-#include "kernels/cuda/group_gemm/wgmma_sm90a.h"
+#include "ffi/wgmma_call.h"
 #endif
 
 namespace jax_moe {
@@ -78,26 +78,12 @@ ffi::Error GroupGemmActCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 #ifdef JAX_MOE_WITH_SM90
   const ffi::DataType t = x.element_type();
   if ((t == ffi::DataType::BF16 || t == ffi::DataType::F16) && counter->size_bytes() >= 4) {
-    WgmmaGemmCall c{};
-    c.stream = stream;
-    c.bf16 = t == ffi::DataType::BF16;
-    c.x = x.untyped_data();
-    c.w = w.untyped_data();
-    c.sizes = expert_sizes.typed_data();
-    c.rows = rows.typed_data();
-    c.topk = topk;
-    c.out = out->untyped_data();
-    c.m = d.m;
-    c.n = d.n;
-    c.k = d.k;
-    c.groups = d.groups;
-    c.x_rows = d.x_rows;
-    c.counter = static_cast<int*>(counter->untyped_data());
-    c.act = activation;
     bool ran = false;
-    const cudaError_t err = GroupGemmWgmma(c, &ran);
-    if (err != cudaSuccess) return CudaError(err, "group_gemm_act launch failed");
-    if (ran) return ffi::Error::Success();
+    if (auto err = RunGroupGemmWgmma(stream, x, w, expert_sizes, rows.typed_data(), topk,
+                                     activation, d, *out, *counter,
+                                     "group_gemm_act launch failed", &ran);
+        err.failure() || ran)
+      return err;
   }
 #endif
   return InvalidArg(

@@ -1,0 +1,46 @@
+// The own Hopper kernel's launch from the handlers that use it (group_gemm,
+// group_gemm_act): its call built from the handler's buffers and checked
+// dims, and a failed launch turned into an ffi::Error. Only with the sm90
+// objects (JAX_MOE_WITH_SM90).
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/ffi_common.h"
+#include "kernels/common/gemm_dims.h"
+#include "kernels/cuda/group_gemm/wgmma_sm90a.h"
+
+namespace jax_moe {
+
+// GroupGemmWgmma on x (bf16, else f16) and w with dims d; rows: the gather's
+// dst_to_src, or null; act: WgmmaGemmCall::act; counter: the buffer whose
+// first 4 bytes are the tile counter. *ran: whether the kernel took the call
+// (false: nothing was launched).
+inline ffi::Error RunGroupGemmWgmma(cudaStream_t stream, const ffi::AnyBuffer& x,
+                                    const ffi::AnyBuffer& w,
+                                    const ffi::Buffer<ffi::S32>& expert_sizes,
+                                    const int32_t* rows, int64_t topk, int64_t act,
+                                    const GemmDims& d, const ffi::AnyBuffer& out,
+                                    const ffi::AnyBuffer& counter, const char* what, bool* ran) {
+  WgmmaGemmCall c{};
+  c.stream = stream;
+  c.bf16 = x.element_type() == ffi::DataType::BF16;
+  c.x = x.untyped_data();
+  c.w = w.untyped_data();
+  c.sizes = expert_sizes.typed_data();
+  c.rows = rows;
+  c.topk = topk;
+  c.out = out.untyped_data();
+  c.m = d.m;
+  c.n = d.n;
+  c.k = d.k;
+  c.groups = d.groups;
+  c.x_rows = d.x_rows;
+  c.counter = static_cast<int*>(counter.untyped_data());
+  c.act = act;
+  *ran = false;
+  const cudaError_t err = GroupGemmWgmma(c, ran);
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, what);
+}
+
+}  // namespace jax_moe
