@@ -66,9 +66,9 @@ from jax_moe._ffi import HAS_SM90_GEMM, WGMMA_MAX_AVG_ROWS, _ext
 __all__ = ["hardware", "group_gemm_tile_m", "default_tile_m", "table_path", "load_table",
            "table_key", "table_file_name", "TILE_M", "MODEL_SHAPES", "SM90_TILE",
            "DECODE_MAX_ROWS", "sm90_device", "sm90_shape_ok", "sm90_usable", "TMA_TILE",
-           "tma_decode_device", "tma_decode_usable", "wgmma_runs", "group_gemm_act_runs", "FP8_TILE_M",
-           "FP8_DECODE_MAX_ROWS",
-           "default_fp8_tile_m", "group_gemm_fp8_tile_m", "fp8_sm90_usable", "fp8_decode_runs"]
+           "tma_decode_device", "tma_decode_usable", "wgmma_runs", "group_gemm_act_runs",
+           "FP8_TILE_M", "FP8_DECODE_MAX_ROWS", "default_fp8_tile_m", "group_gemm_fp8_tile_m",
+           "fp8_sm90_usable", "fp8_decode_runs"]
 
 TILE_M = _checks.TILE_M
 SM90_TILE = 256      # tile_m value of the Hopper kernels (own or CUTLASS: wgmma_runs)
