@@ -58,6 +58,30 @@ def test_sm90_shape_rule():
         assert not tuning.sm90_device() and not tuning.sm90_usable(136, 200, jnp.bfloat16)
 
 
+def test_wgmma_rule_rows_and_shape_limits(monkeypatch):
+    """The own Hopper kernel's rule: at most WGMMA_MAX_AVG_ROWS (128) rows an
+    expert on average, at most 1024 experts, experts * n within int32, n and
+    k multiples of 8, with the activation n a multiple of 16."""
+    monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: True)
+    bf16 = jnp.bfloat16
+    runs = lambda m, e, n, k, act=False: tuning.wgmma_runs(m, e, n, k, bf16, act=act)  # noqa: E731
+    assert tuning.WGMMA_MAX_AVG_ROWS == 128
+    assert runs(1, 1, 8, 8) and runs(128 * 4, 4, 256, 64) and not runs(128 * 4 + 1, 4, 256, 64)
+    assert not runs(0, 4, 256, 64) and not runs(8, 0, 256, 64)
+    assert runs(1024, 1024, 256, 64) and not runs(1025, 1025, 256, 64)    # experts
+    assert runs(8, 8, (2**31 - 1) // 8 // 8 * 8, 64)                     # experts * n < 2^31
+    assert not runs(8, 8, 2**28, 64)
+    assert not runs(8, 1, 260, 64) and not runs(8, 1, 256, 60)            # n, k % 8
+    fits = jax_moe._ffi._ext.wgmma_fits  # the kernel's shape limits alone: m within int32
+    assert fits(2**31 - 1, 8, 8, 1, False) and not fits(2**31, 8, 8, 1, False)
+    assert not runs(8, 1, 8, 2**31 + 8)                                   # k within int32
+    assert runs(8, 1, 264, 64) and not runs(8, 1, 264, 64, act=True)      # act: n % 16
+    assert tuning.group_gemm_act_runs(8, 1, 272, 64, bf16)
+    assert not tuning.group_gemm_act_runs(8, 1, 264, 64, bf16)
+    monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: False)
+    assert not runs(8, 1, 256, 64) and not tuning.group_gemm_act_runs(8, 1, 256, 64, bf16)
+
+
 def test_explicit_tile_m_wins_and_is_checked():
     assert tuning.group_gemm_tile_m(65536, 128, 3072, 4096, jnp.bfloat16, 8) == 8
     assert tuning.group_gemm_tile_m(8, 128, 30, 40, jnp.float32, 256) == 256  # the handler falls back

@@ -103,6 +103,10 @@ NB_MODULE(_jax_moe, m) {
         "Bytes of group_gemm_fp8's scratch output for the sm90 path (0 without it).");
   m.attr("INDEX_CHUNK") = kIndexChunk;
   m.attr("WGMMA_MAX_AVG_ROWS") = kWgmmaMaxAvgRows;
+  m.def("wgmma_fits", &WgmmaShapeOk, nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("groups"),
+        nb::arg("act"),
+        "Whether the own Hopper kernel takes m rows against w (groups, n, k), by the shape alone "
+        "(act: with the gated activation in its epilogue).");
   // moe_decode's limits, which both handlers enforce; Python checks against these.
   nb::dict decode;
   decode["max_topk"] = kDecodeMaxTopk;

@@ -149,21 +149,22 @@ def sm90_usable(n: int, k: int, dtype) -> bool:
     return sm90_shape_ok(n, k, dtype) and sm90_device()
 
 
-def wgmma_runs(m: int, experts: int, n: int, k: int, dtype) -> bool:
+def wgmma_runs(m: int, experts: int, n: int, k: int, dtype, act: bool = False) -> bool:
     """Where tile_m = 256 runs the own Hopper kernel for m rows and w
-    (experts, n, k): sm90_usable(n, k, dtype), at most 1024 experts,
-    experts * n below 2^31 (its int32 tensor-map coordinates) and experts
-    averaging at most WGMMA_MAX_AVG_ROWS rows (kernels/common/wgmma_rule.h,
-    the rule the CUDA handler applies)."""
-    return (0 < experts <= 1024 and experts * n < 2**31 and 0 < m <= WGMMA_MAX_AVG_ROWS * experts
+    (experts, n, k), with the gated activation in its epilogue when `act`:
+    sm90_usable(n, k, dtype), experts averaging at most WGMMA_MAX_AVG_ROWS
+    rows, and the kernel's shape limits (at most 1024 experts, experts * n
+    below 2^31, with `act` n a multiple of 16). The extension answers from
+    kernels/common/wgmma_rule.h, the rule the CUDA handler applies."""
+    return (0 < m <= WGMMA_MAX_AVG_ROWS * experts and bool(_ext.wgmma_fits(m, n, k, experts, act))
             and sm90_usable(n, k, dtype))
 
 
 def group_gemm_act_runs(m: int, experts: int, n: int, k: int, dtype) -> bool:
     """Where the forward-only layer runs its w13 GEMM (m rows, w13 (experts,
-    n, k)) and the gated activation as one kernel (ops.group_gemm_act): where
-    wgmma_runs holds and n (= 2 I) is a multiple of 16."""
-    return n % 16 == 0 and wgmma_runs(m, experts, n, k, dtype)
+    n, k)) and the gated activation as one kernel (ops.group_gemm_act):
+    wgmma_runs with the activation (n = 2 I a multiple of 16)."""
+    return wgmma_runs(m, experts, n, k, dtype, act=True)
 
 
 def default_tile_m(m: int, experts: int, sm90: bool | None = None,

@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "kernels/common/numeric.h"
+#include "kernels/common/wgmma_rule.h"
 #include "kernels/cuda/act_math.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/group_gemm/schedule.cuh"
@@ -457,13 +458,13 @@ cudaError_t DispatchWgmma(const WgmmaGemmCall& c, bool* ran) {
 
 }  // namespace
 
+static_assert(kWgmmaMaxExperts <= kPersistMaxE, "the schedule's scan holds every expert");
+
 cudaError_t GroupGemmWgmma(const WgmmaGemmCall& c, bool* ran) {
   *ran = false;
   constexpr int64_t kInt32Max = 2147483647;
   const bool gather = c.rows != nullptr;
-  if (c.m <= 0 || c.m > kInt32Max || c.n <= 0 || c.k <= 0 || c.k > kInt32Max || c.groups <= 0 ||
-      c.groups > kPersistMaxE || c.n > kInt32Max / c.groups || c.n % 8 != 0 || c.k % 8 != 0 ||
-      (c.act >= 0 && (!gather || c.n % 16 != 0)) ||
+  if (!WgmmaShapeOk(c.m, c.n, c.k, c.groups, c.act >= 0) || (c.act >= 0 && !gather) ||
       (gather && (c.x_rows <= 0 || c.x_rows > kInt32Max || c.topk <= 0)) || !Aligned16(c.x) ||
       !Aligned16(c.w) || !Aligned16(c.out) || DeviceMajor() != 9)
     return cudaSuccess;
