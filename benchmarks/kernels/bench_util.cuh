@@ -1,5 +1,7 @@
 // Shared by the kernel micro-benchmarks in benchmarks/kernels (CUDA, GPU):
-// a CUDA error check that exits, and event timing of a launch sequence.
+// a CUDA error check that exits, event timing of a launch sequence, random
+// routings, the models' layer shapes and buffers, and the reference
+// kernels' expert lookup.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +22,18 @@
       exit(1);                                                              \
     }                                                                       \
   } while (0)
+
+// The expert of row r of the expert-sorted rows (expert_sizes in order, a
+// negative size taken as 0), or -1 for a row past them: the reference
+// kernels' lookup.
+__device__ inline int ExpertOfRow(const int32_t* sizes, int experts, int64_t r) {
+  int64_t start = 0;
+  for (int i = 0; i < experts; ++i) {
+    start += sizes[i] > 0 ? sizes[i] : 0;
+    if (r < start) return i;
+  }
+  return -1;
+}
 
 // Median over `reps` repeats of the mean µs per call of `calls` calls of
 // fn(call index), timed with events on `stream` (fn launches there).

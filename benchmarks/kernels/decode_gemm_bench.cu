@@ -42,16 +42,7 @@ __global__ void RefKernel(const uint16_t* x, const uint16_t* w, const int32_t* s
   const int64_t id = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (id >= m * n) return;
   const int64_t r = id / n, c = id % n;
-  int64_t start = 0;
-  int e = -1;
-  for (int i = 0; i < E; ++i) {
-    const int64_t s = sizes[i] > 0 ? sizes[i] : 0;
-    if (r < start + s) {
-      e = i;
-      break;
-    }
-    start += s;
-  }
+  const int e = ExpertOfRow(sizes, E, r);
   float v = 0.f;
   if (e >= 0)
     for (int64_t q = 0; q < k; ++q)

@@ -50,16 +50,7 @@ __global__ void RefRowsKernel(const uint16_t* x, const uint16_t* w, const int32_
   const int64_t r = list[blockIdx.y];
   const int c = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (c >= n) return;
-  int64_t start = 0;
-  int e = -1;
-  for (int i = 0; i < E; ++i) {
-    const int64_t s = sizes[i] > 0 ? sizes[i] : 0;
-    if (r < start + s) {
-      e = i;
-      break;
-    }
-    start += s;
-  }
+  const int e = ExpertOfRow(sizes, E, r);
   float acc = 0.f;
   if (e >= 0) {
     const int64_t src = gather ? jax_moe::ExpandSourceRow(gather[r], topk, x_rows * topk) : r;
