@@ -156,7 +156,8 @@ def wgmma_runs(m: int, experts: int, n: int, k: int, dtype, act: bool = False) -
     rows, and the kernel's shape limits (at most 1024 experts, experts * n
     below 2^31, with `act` n a multiple of 16). The extension answers from
     kernels/common/wgmma_rule.h, the rule the CUDA handler applies."""
-    return (0 < m <= WGMMA_MAX_AVG_ROWS * experts and bool(_ext.wgmma_fits(m, n, k, experts, act))
+    return (0 < m <= WGMMA_MAX_AVG_ROWS * experts
+            and _ext.wgmma_fits(int(m), int(n), int(k), int(experts), bool(act))
             and sm90_usable(n, k, dtype))
 
 
