@@ -197,6 +197,8 @@ SM90_SHAPES = [  # (M, K, N, E)
     (300, 200, 136, 3),    # K = 25*8, N = 17*8 < 256; 100 rows per expert: 128x128
     (1000, 136, 264, 16),  # ~62 rows per expert: several 64x128 tiles, N past 256
     (1024, 136, 264, 16),  # 64 rows per expert, N >= 256: 128x256 from here
+    (512, 200, 264, 4),    # 128 rows per expert: the own kernel's last
+    (516, 200, 264, 4),    # 129: CUTLASS's first (WGMMA_MAX_AVG_ROWS)
     (1020, 200, 264, 4),   # 255 rows per expert: 128x256, experts off the tile
     (1024, 200, 264, 4),   # 256 rows per expert: 128x256 tiles
     (2100, 200, 264, 4),   # ~525 rows per expert: 128x256 tiles, experts off the tile
@@ -230,10 +232,14 @@ def test_group_gemm_sm90_small_sanitize(rng):
 @pytest.mark.parametrize("tail", [False, True], ids=["all_rows", "tail"])
 @pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 72, 6, 3), (300, 200, 136, 4, 2),
                                    (600, 64, 256, 2, 2), (2200, 64, 136, 4, 2),
-                                   (40, 2056, 72, 4, 3)],
-                         ids=["T1", "T37", "T300", "T600_wide", "T2200", "T40_K2056"])
+                                   (40, 2056, 72, 4, 3), (256, 64, 264, 4, 2),
+                                   (258, 64, 264, 4, 2)],
+                         ids=["T1", "T37", "T300", "T600_wide", "T2200", "T40_K2056",
+                              "T256_own_last", "T258_cutlass_first"])
 def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
-    # The sm90 path expands the gathered rows (invalid entries: zero rows)
+    # Experts averaging at most 128 rows (T1, T37, T40_K2056, T256: 512 rows
+    # over 4) run the own kernel, which reads the token rows itself; from 129
+    # (T258: 516 rows over 4) CUTLASS's path expands the gathered rows (invalid entries: zero rows)
     # before its GEMM: 4400 rows (T2200) are more than one pass of the prep
     # grid (8 blocks per SM, 1056 rows on 132 SMs); K = 2056 (257 16-byte
     # vectors) takes two passes of its 256 threads along a row. With `tail`,
