@@ -170,10 +170,8 @@ int main(int argc, char** argv) {
       RefRowsKernel<<<dim3((n + 7) / 8, list.size()), 256>>>(
           xin, w, sizes, cs.E, gath ? gather : nullptr, cs.topk, cs.T, dlist, dref, n, k);
       CK(cudaMemcpy(href.data(), dref, href.size() * 4, cudaMemcpyDeviceToHost));
-      auto run_ours = [&](const int32_t* sz, uint16_t* o, int64_t act = -1) {
-        jax_moe::WgmmaGemmCall c{};
-        c.act = act;
-        c.counter = counter;
+      // The fields the two kernels' calls share (the same names in both).
+      auto fill = [&](auto& c, const int32_t* sz, uint16_t* o) {
         c.bf16 = true;
         c.x = xin;
         c.w = w;
@@ -186,6 +184,12 @@ int main(int argc, char** argv) {
         c.k = k;
         c.groups = cs.E;
         c.x_rows = gath ? cs.T : m;
+      };
+      auto run_ours = [&](const int32_t* sz, uint16_t* o, int64_t act = -1) {
+        jax_moe::WgmmaGemmCall c{};
+        fill(c, sz, o);
+        c.act = act;
+        c.counter = counter;
         bool ran = false;
         CK(jax_moe::GroupGemmWgmma(c, &ran));
         if (!ran) {
@@ -195,18 +199,7 @@ int main(int argc, char** argv) {
       };
       auto run_cutlass = [&](const int32_t* sz, uint16_t* o) {
         jax_moe::Sm90GemmCall c{};
-        c.bf16 = true;
-        c.x = xin;
-        c.w = w;
-        c.sizes = sz;
-        c.rows = gath ? gather : nullptr;
-        c.topk = cs.topk;
-        c.out = o;
-        c.m = m;
-        c.n = n;
-        c.k = k;
-        c.groups = cs.E;
-        c.x_rows = gath ? cs.T : m;
+        fill(c, sz, o);
         c.scratch = scratch;
         c.scratch_bytes = scratch_bytes;
         bool ran = false;
