@@ -18,6 +18,10 @@
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/group_gemm/launch.h"
 #endif
+#ifdef JAX_MOE_WITH_SM90
+#include "ffi/wgmma_call.h"
+#include "kernels/common/wgmma_rule.h"
+#endif
 
 namespace jax_moe {
 
@@ -51,10 +55,20 @@ ffi::Error ExpertMlpCpu(const TaskPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 // (docs/performance.md). Chained
 // (moe_layer), the first kernel is launched so too, after the token index,
 // and waits for it before its tile schedule.
+//
+// With `counters` (moe_layer: two ints it zeroed before its first kernel)
+// a GEMM whose tile is 256 runs the own Hopper kernel where its rule prefers
+// it (kernels/common/wgmma_rule.h), chained like the others, with counters[0]
+// and counters[1] as the two GEMMs' tile counters; the w13 GEMM then applies
+// the gated activation in its epilogue and writes `a` (the bits of the GEMM
+// then the activation kernel; h is not written). Elsewhere, and without
+// counters, a 256 tile runs as 128 (the ops' own handlers run the Hopper
+// kernels with their scratch).
 ffi::Error ExpertMlpSteps(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w13,
                           ffi::AnyBuffer w2, S32In expert_sizes, S32In rows, int64_t topk,
                           int64_t activation, bool gated, int64_t tile_m1, int64_t tile_m2,
-                          AnyOut out, AnyOut h, AnyOut a, bool chained) {
+                          AnyOut out, AnyOut h, AnyOut a, bool chained,
+                          [[maybe_unused]] int* counters) {
   GemmDims d1, d2;
   if (auto err = CheckExpertMlp(x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
                                 tile_m2, *out, *h, *a, &d1, &d2);
@@ -64,19 +78,59 @@ ffi::Error ExpertMlpSteps(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   const bool pdl = DeviceSupportsPdl();
   const int32_t* sizes = expert_sizes.typed_data();
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
-    if (d1.n > 0) {
-      if (auto e = CudaError(LaunchGroupGemmFor(stream, DT, x.untyped_data(), w13.untyped_data(),
-                                                sizes, h->untyped_data(), d1, rows.typed_data(),
-                                                topk, tile_m1, pdl && chained, chained),
-                             "expert_mlp w13 launch");
-          e.failure())
-        return e;
-      if (auto e = CudaError(LaunchActivation(stream, DT, activation, gated, h->untyped_data(),
-                                              d1.m, d2.k, a->untyped_data(), pdl),
-                             "expert_mlp activation launch");
-          e.failure())
-        return e;
+    bool w13_ran = false, act_ran = false;
+#ifdef JAX_MOE_WITH_SM90
+    if constexpr (DT != DType::F32) {
+      if (counters != nullptr && d1.n > 0 && tile_m1 == 256 && WgmmaPreferred(d1.m, d1.groups)) {
+        const WgmmaChain chain{pdl && chained, chained, true};
+        if (gated) {  // the activation in the epilogue: a directly
+          if (auto e = RunGroupGemmWgmma(stream, x, w13, expert_sizes, rows.typed_data(), topk,
+                                         activation, d1, *a, counters,
+                                         "expert_mlp w13 (wgmma) launch", &w13_ran, chain);
+              e.failure())
+            return e;
+          act_ran = w13_ran;
+        }
+        if (!w13_ran) {  // declined (nothing launched, the counter still zero): the plain form
+          if (auto e = RunGroupGemmWgmma(stream, x, w13, expert_sizes, rows.typed_data(), topk,
+                                         -1, d1, *h, counters, "expert_mlp w13 (wgmma) launch",
+                                         &w13_ran, chain);
+              e.failure())
+            return e;
+        }
+      }
     }
+#endif
+    if (d1.n > 0) {
+      if (!w13_ran) {
+        if (auto e = CudaError(LaunchGroupGemmFor(stream, DT, x.untyped_data(),
+                                                  w13.untyped_data(), sizes, h->untyped_data(),
+                                                  d1, rows.typed_data(), topk, tile_m1,
+                                                  pdl && chained, chained),
+                               "expert_mlp w13 launch");
+            e.failure())
+          return e;
+      }
+      if (!act_ran) {
+        if (auto e = CudaError(LaunchActivation(stream, DT, activation, gated, h->untyped_data(),
+                                                d1.m, d2.k, a->untyped_data(), pdl),
+                               "expert_mlp activation launch");
+            e.failure())
+          return e;
+      }
+    }
+#ifdef JAX_MOE_WITH_SM90
+    if constexpr (DT != DType::F32) {
+      if (counters != nullptr && d1.n > 0 && tile_m2 == 256 && WgmmaPreferred(d2.m, d2.groups)) {
+        bool w2_ran = false;
+        if (auto e = RunGroupGemmWgmma(stream, *a, w2, expert_sizes, nullptr, 1, -1, d2, *out,
+                                       counters + 1, "expert_mlp w2 (wgmma) launch", &w2_ran,
+                                       WgmmaChain{pdl, false, true});
+            e.failure() || w2_ran)
+          return e;
+      }
+    }
+#endif
     // With I = 0 the w2 GEMM sums nothing: out is zero (K = 0 in every kernel).
     return CudaError(LaunchGroupGemmFor(stream, DT, a->untyped_data(), w2.untyped_data(), sizes,
                                         out->untyped_data(), d2, nullptr, 1, tile_m2,
@@ -103,7 +157,7 @@ ffi::Error ExpertMlpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
                          int64_t activation, bool gated, int64_t tile_m1, int64_t tile_m2,
                          AnyOut out, AnyOut h, AnyOut a) {
   return ExpertMlpSteps(stream, x, w13, w2, expert_sizes, rows, topk, activation, gated, tile_m1,
-                        tile_m2, out, h, a, false);
+                        tile_m2, out, h, a, false, nullptr);
 }
 #endif
 

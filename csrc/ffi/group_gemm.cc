@@ -64,7 +64,8 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
           scratch->size_bytes() >= 4) {
         bool ran = false;
         if (auto err = RunGroupGemmWgmma(stream, x, w, expert_sizes, row_src, topk, -1, d, *out,
-                                         *scratch, "group_gemm (wgmma) launch failed", &ran);
+                                         static_cast<int*>(scratch->untyped_data()),
+                                         "group_gemm (wgmma) launch failed", &ran);
             err.failure() || ran)
           return err;
       }

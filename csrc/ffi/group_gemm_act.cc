@@ -80,7 +80,8 @@ ffi::Error GroupGemmActCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if ((t == ffi::DataType::BF16 || t == ffi::DataType::F16) && counter->size_bytes() >= 4) {
     bool ran = false;
     if (auto err = RunGroupGemmWgmma(stream, x, w, expert_sizes, rows.typed_data(), topk,
-                                     activation, d, *out, *counter,
+                                     activation, d, *out,
+                                     static_cast<int*>(counter->untyped_data()),
                                      "group_gemm_act launch failed", &ran);
         err.failure() || ran)
       return err;

@@ -44,10 +44,12 @@ ffi::Error RouteCuda(cudaStream_t stream, ffi::AnyBuffer logits, F32In bias, boo
 ffi::Error TokenIndexSteps(cudaStream_t stream, S32In topk_ids, int64_t num_experts,
                            int64_t start_expert, S32Out src_to_dst, S32Out dst_to_src,
                            S32Out expert_sizes, S32Out scratch, bool chained);
+// counters: two device ints zeroed earlier on the stream (moe_layer), or
+// null; see expert_mlp.cc.
 ffi::Error ExpertMlpSteps(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w13,
                           ffi::AnyBuffer w2, S32In expert_sizes, S32In rows, int64_t topk,
                           int64_t activation, bool gated, int64_t tile_m1, int64_t tile_m2,
-                          AnyOut out, AnyOut h, AnyOut a, bool chained);
+                          AnyOut out, AnyOut h, AnyOut a, bool chained, int* counters);
 ffi::Error CombineSteps(cudaStream_t stream, ffi::AnyBuffer y, F32In weights, S32In src_to_dst,
                         AnyOut out, bool chained);
 #endif

@@ -10,7 +10,9 @@
 // kernel-to-kernel gap at each of their three boundaries (docs/performance.md).
 // Every kernel waits for its predecessor before it reads what this call
 // wrote, and every block waits before it exits, so each wait covers all the
-// kernels before it.
+// kernels before it. Where Python sizes the last scratch output for them (two
+// ints), GEMMs at tile 256 run the own Hopper kernel in the chain
+// (expert_mlp.cc).
 #include <cstdint>
 
 #include "ffi/ffi_common.h"
@@ -29,7 +31,7 @@ ffi::Error MoeLayerCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer lo
                        float routed_scaling_factor, int64_t activation, bool gated,
                        int64_t tile_m1, int64_t tile_m2, AnyOut out, F32Out weights, S32Out ids,
                        S32Out src_to_dst, S32Out dst_to_src, S32Out sizes, S32Out scratch,
-                       AnyOut y, AnyOut h, AnyOut a) {
+                       AnyOut y, AnyOut h, AnyOut a, S32Out) {
   if (auto e = RouteCpu(logits, bias, renormalize, scoring, num_expert_group, topk_group,
                         has_bias, routed_scaling_factor, weights, ids);
       e.failure())
@@ -53,7 +55,19 @@ ffi::Error MoeLayerCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer lo
                         float routed_scaling_factor, int64_t activation, bool gated,
                         int64_t tile_m1, int64_t tile_m2, AnyOut out, F32Out weights, S32Out ids,
                         S32Out src_to_dst, S32Out dst_to_src, S32Out sizes, S32Out scratch,
-                        AnyOut y, AnyOut h, AnyOut a) {
+                        AnyOut y, AnyOut h, AnyOut a, [[maybe_unused]] S32Out counters) {
+  // The own Hopper kernel's tile counters, zeroed before the router: a
+  // memset between two kernels would cut their programmatic dependent launch.
+  int* tile_counters = nullptr;
+#ifdef JAX_MOE_WITH_SM90
+  if (counters->element_count() >= 2) {
+    tile_counters = counters->typed_data();
+    if (auto e = CudaError(cudaMemsetAsync(tile_counters, 0, 2 * sizeof(int32_t), stream),
+                           "moe_layer counters");
+        e.failure())
+      return e;
+  }
+#endif
   if (auto e = RouteCuda(stream, logits, bias, renormalize, scoring, num_expert_group,
                          topk_group, has_bias, routed_scaling_factor, weights, ids);
       e.failure())
@@ -65,7 +79,7 @@ ffi::Error MoeLayerCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer lo
       e.failure())
     return e;
   if (auto e = ExpertMlpSteps(stream, x, w13, w2, *sizes, *dst_to_src, topk, activation, gated,
-                              tile_m1, tile_m2, y, h, a, true);
+                              tile_m1, tile_m2, y, h, a, true, tile_counters);
       e.failure())
     return e;
   return CombineSteps(stream, *y, *weights, *src_to_dst, out, true);

@@ -160,9 +160,10 @@ inline ffi::Error CheckExpertMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
     return InvalidArg("expert_mlp: out must be (M, H), the scratch (M, N) and (M, I)");
   if (auto err = CheckGatherTopk("expert_mlp", topk); err.failure()) return err;
   if (activation < kSilu || activation > kGeluTanh) return InvalidArg("unknown activation code");
+  // 256: the own Hopper kernel where moe_layer chains it, else run as 128
   for (int64_t tm : {tile_m1, tile_m2})
-    if (tm != 8 && tm != 16 && tm != 32 && tm != 64 && tm != 128)
-      return InvalidArg("expert_mlp: tile_m must be 8, 16, 32, 64 or 128");
+    if (tm != 8 && tm != 16 && tm != 32 && tm != 64 && tm != 128 && tm != 256)
+      return InvalidArg("expert_mlp: tile_m must be 8, 16, 32, 64, 128 or 256");
   *d1 = {m, hidden, experts, n1, xd[0]};
   *d2 = {m, inter, experts, hidden, m};
   return ffi::Error::Success();

@@ -260,7 +260,8 @@ auto MoeLayerSignature(Bound bound) {
       .template Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // scratch: token index (CUDA)
       .template Ret<xla::ffi::AnyBuffer>()   // scratch: expert outputs y
       .template Ret<xla::ffi::AnyBuffer>()   // scratch: h
-      .template Ret<xla::ffi::AnyBuffer>();  // scratch: a
+      .template Ret<xla::ffi::AnyBuffer>()   // scratch: a
+      .template Ret<xla::ffi::Buffer<xla::ffi::S32>>();  // scratch: tile counters (2 or 0)
 }
 
 // moe_decode (ops.moe_decode): the routed layer for one token in one call

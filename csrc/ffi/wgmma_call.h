@@ -12,16 +12,22 @@
 
 namespace jax_moe {
 
+// How a launch sits in a chain of kernels (moe_layer): WgmmaGemmCall's pdl,
+// wait_first and counter_zeroed.
+struct WgmmaChain {
+  bool pdl = false, wait_first = false, counter_zeroed = false;
+};
+
 // GroupGemmWgmma on x (bf16, else f16) and w with dims d; rows: the gather's
-// dst_to_src, or null; act: WgmmaGemmCall::act; counter: the buffer whose
-// first 4 bytes are the tile counter. *ran: whether the kernel took the call
+// dst_to_src, or null; act: WgmmaGemmCall::act; counter: the kernel's tile
+// counter (4 bytes of device memory). *ran: whether the kernel took the call
 // (false: nothing was launched).
 inline ffi::Error RunGroupGemmWgmma(cudaStream_t stream, const ffi::AnyBuffer& x,
                                     const ffi::AnyBuffer& w,
                                     const ffi::Buffer<ffi::S32>& expert_sizes,
                                     const int32_t* rows, int64_t topk, int64_t act,
-                                    const GemmDims& d, const ffi::AnyBuffer& out,
-                                    const ffi::AnyBuffer& counter, const char* what, bool* ran) {
+                                    const GemmDims& d, const ffi::AnyBuffer& out, int* counter,
+                                    const char* what, bool* ran, WgmmaChain chain = {}) {
   WgmmaGemmCall c{};
   c.stream = stream;
   c.bf16 = x.element_type() == ffi::DataType::BF16;
@@ -36,8 +42,11 @@ inline ffi::Error RunGroupGemmWgmma(cudaStream_t stream, const ffi::AnyBuffer& x
   c.k = d.k;
   c.groups = d.groups;
   c.x_rows = d.x_rows;
-  c.counter = static_cast<int*>(counter.untyped_data());
+  c.counter = counter;
   c.act = act;
+  c.pdl = chain.pdl;
+  c.wait_first = chain.wait_first;
+  c.counter_zeroed = chain.counter_zeroed;
   *ran = false;
   const cudaError_t err = GroupGemmWgmma(c, ran);
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, what);

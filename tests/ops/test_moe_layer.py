@@ -65,7 +65,7 @@ def _layer_by_ops(mod, x, logits, w13, w2, topk, activation="silu", is_gated=Tru
 
 
 @dtypes
-@pytest.mark.parametrize("tiles", [None, (8, 16), (32, 128), (256, 8)], ids=str)
+@pytest.mark.parametrize("tiles", [None, (8, 16), (32, 128), (256, 8), (256, 256)], ids=str)
 @pytest.mark.parametrize("case", MOE_LAYER_CASES, ids=MOE_LAYER_IDS)
 def test_moe_layer_same_bits_as_four_ops(rng, case, tiles, dtype):
     args, kw = _moe_layer_inputs(rng, case, dtype)
@@ -74,6 +74,27 @@ def test_moe_layer_same_bits_as_four_ops(rng, case, tiles, dtype):
     assert_equal(got, _layer_by_ops(ops, *args, tile_m=tiles, **kw), f"tiles={tiles}")
     assert_close(got, reference.moe_layer(*args, **kw), dtype, "vs reference")
     assert np.any(np.asarray(got, np.float32) != 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, one_call", [(128, True), (1024, False)])
+def test_moe_layer_one_call_where_the_own_kernel_runs(rng, tokens, one_call):
+    # Tiles of 256 with experts averaging at most WGMMA_MAX_AVG_ROWS (128)
+    # rows: the own Hopper kernel, chained in the one moe_layer call (T = 128:
+    # 64 rows an expert); with more (T = 1024: 512), CUTLASS's kernels in
+    # separate calls with their scratch. Elsewhere than on Hopper: separate.
+    from jax_moe import tuning
+    if not tuning.sm90_device():
+        one_call = False
+    x = normal(rng, (tokens, 64), jnp.bfloat16)
+    logits = router_logits(rng, tokens, 4, jnp.float32, None)
+    w13, w2 = mlp_weights(rng, 4, 64, 128, jnp.bfloat16)
+    layer = functools.partial(ops.moe_layer, topk=2, tile_m=(256, 256))
+    text = jax.jit(layer).lower(x, logits, w13, w2).as_text()
+    assert ("jax_moe_moe_layer" in text) == one_call, text
+    assert ("jax_moe_group_gemm" in text) == (not one_call), text
+    assert_equal(layer(x, logits, w13, w2), _layer_by_ops(ops, x, logits, w13, w2, 2,
+                                                          tile_m=(256, 256)), f"T={tokens}")
 
 
 @pytest.mark.sanitize

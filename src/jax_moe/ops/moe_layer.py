@@ -32,7 +32,10 @@ def moe_layer(hidden_states, router_logits, w13, w2, topk: int, *, scoring_func:
     One call instead of four: on a compute capability 9.0+ GPU every kernel
     after the router starts while the one before it finishes (programmatic
     dependent launch, which under XLA's command buffers only works inside one
-    custom call). Where either GEMM's tile is the Hopper kernels' (256), the
+    custom call). A GEMM whose tile is the Hopper kernels' (256) runs in the
+    call where the own Hopper kernel takes it (experts averaging at most
+    tuning.WGMMA_MAX_AVG_ROWS rows; the w13 GEMM then with the gated
+    activation in its epilogue, the same bits); where CUTLASS's would, the
     ops run as separate calls, as in expert_mlp."""
     spec = _checks.moe_layer_args(
         hidden_states, router_logits, w13, w2, topk, scoring_func=scoring_func,
@@ -94,7 +97,10 @@ def _moe_layer_call(hidden_states, router_logits, w13, w2, e_score_correction_bi
     inter = w2.shape[2]
     m = tokens * k
     t1, t2 = _mlp_tiles(m, w13, w2, x.dtype, spec.tile_m)
-    if tuning.SM90_TILE in (t1, t2):
+    sm90 = tuning.SM90_TILE in (t1, t2)
+    own = ((t1 != tuning.SM90_TILE or tuning.wgmma_runs(m, experts, n1, hidden, x.dtype))
+           and (t2 != tuning.SM90_TILE or tuning.wgmma_runs(m, experts, hidden, inter, x.dtype)))
+    if sm90 and not own:
         weights, ids = _route(router_logits, e_score_correction_bias, r)
         src_to_dst, dst_to_src, sizes = _token_index(ids, experts, 0, experts)
         y = _expert_mlp_out(x, w13, w2, sizes, dst_to_src, k, spec.activation, spec.is_gated,
@@ -109,7 +115,9 @@ def _moe_layer_call(hidden_states, router_logits, w13, w2, e_score_correction_bi
          # scratch: the steps' outputs, as the separate ops return them
          sds((tokens, k), jnp.float32), sds((tokens, k), i32), sds((m,), i32),
          sds((m,), i32), sds((experts,), i32), sds((chunks * experts + 1,), i32),
-         sds((m, hidden), x.dtype), sds((m, n1), x.dtype), sds((m, inter), x.dtype)),
+         sds((m, hidden), x.dtype), sds((m, n1), x.dtype), sds((m, inter), x.dtype),
+         # the own Hopper kernel's tile counters, where a GEMM runs it
+         sds((2 if sm90 else 0,), i32)),
         vmap_method="sequential")
     outs = call(x, router_logits, bias, w13, w2, renormalize=r.renormalize,
                 scoring=np.int64(SCORING[r.scoring_func]),

@@ -429,7 +429,7 @@ cudaError_t LaunchWgmma(const WgmmaGemmCall& c, bool* ran) {
   a.wait_first = c.pdl && c.wait_first;
   a.src = RowSource{c.rows, c.topk, c.x_rows * c.topk};
   const int grid = c.max_ctas > 0 && c.max_ctas < sms ? c.max_ctas : sms;
-  if (c.counter != nullptr) {
+  if (c.counter != nullptr && !c.counter_zeroed) {
     const cudaError_t err = cudaMemsetAsync(c.counter, 0, sizeof(int), c.stream);
     if (err != cudaSuccess) return err;
   }

@@ -27,6 +27,10 @@ struct WgmmaGemmCall {
   // next tile goes to the first CTA free: sharers of a weight tile stay in
   // step); null: a static stride over the tiles.
   int* counter = nullptr;
+  // The caller zeroed *counter earlier on the stream (moe_layer, before its
+  // chain of kernels: a memset between two kernels would break their
+  // programmatic dependent launch); else the call zeroes it.
+  bool counter_zeroed = false;
   // An Activation code (needs the gather and n % 16 == 0): out (m, n / 2) =
   // act(h[:, :n/2]) * h[:, n/2:] for h the product rounded to the element
   // type, the bits of the GEMM then the activation kernel. -1: out = h.
@@ -40,8 +44,8 @@ struct WgmmaGemmCall {
 // and k multiples of 8, k > 0, 16-byte aligned operands, groups <= 1024,
 // m, n, k, groups * n < 2^31; with act, a gather and
 // n % 16 == 0) and sets *ran; otherwise launches nothing and
-// leaves *ran false. On c.stream only: zeroes c.counter (when given), then
-// one kernel; no sync, no allocation. Returns the CUDA error of a failed
+// leaves *ran false. On c.stream only: zeroes c.counter (when given and
+// not counter_zeroed), then one kernel; no sync, no allocation. Returns the CUDA error of a failed
 // launch.
 cudaError_t GroupGemmWgmma(const WgmmaGemmCall& c, bool* ran);
 
