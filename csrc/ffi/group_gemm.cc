@@ -15,6 +15,7 @@
 #include "kernels/cuda/group_gemm/launch.h"
 #endif
 #ifdef JAX_MOE_WITH_SM90
+#include "ffi/gemm_call.h"
 #include "ffi/wgmma_call.h"
 #include "kernels/common/wgmma_rule.h"
 #endif
@@ -71,20 +72,8 @@ ffi::Error GroupGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
       }
       if (tile_m == 256) {
         Sm90GemmCall call{};
-        call.stream = stream;
-        call.bf16 = DT == DType::BF16;
+        FillGemmOperands(call, stream, x, w, expert_sizes, row_src, topk, d, *out);
         call.w_kn = w_kn;
-        call.x = x.untyped_data();
-        call.w = w.untyped_data();
-        call.sizes = expert_sizes.typed_data();
-        call.rows = row_src;
-        call.topk = topk;
-        call.out = out->untyped_data();
-        call.m = d.m;
-        call.n = d.n;
-        call.k = d.k;
-        call.groups = d.groups;
-        call.x_rows = d.x_rows;
         call.scratch = scratch->untyped_data();
         call.scratch_bytes = scratch->size_bytes();
         bool ran = false;

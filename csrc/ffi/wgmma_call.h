@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "ffi/ffi_common.h"
+#include "ffi/gemm_call.h"
 #include "kernels/common/gemm_dims.h"
 #include "kernels/cuda/group_gemm/wgmma_sm90a.h"
 
@@ -29,19 +30,7 @@ inline ffi::Error RunGroupGemmWgmma(cudaStream_t stream, const ffi::AnyBuffer& x
                                     const GemmDims& d, const ffi::AnyBuffer& out, int* counter,
                                     const char* what, bool* ran, WgmmaChain chain = {}) {
   WgmmaGemmCall c{};
-  c.stream = stream;
-  c.bf16 = x.element_type() == ffi::DataType::BF16;
-  c.x = x.untyped_data();
-  c.w = w.untyped_data();
-  c.sizes = expert_sizes.typed_data();
-  c.rows = rows;
-  c.topk = topk;
-  c.out = out.untyped_data();
-  c.m = d.m;
-  c.n = d.n;
-  c.k = d.k;
-  c.groups = d.groups;
-  c.x_rows = d.x_rows;
+  FillGemmOperands(c, stream, x, w, expert_sizes, rows, topk, d, out);
   c.counter = counter;
   c.act = act;
   c.pdl = chain.pdl;

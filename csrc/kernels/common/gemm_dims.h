@@ -13,4 +13,8 @@ struct GemmDims {
   int64_t x_rows;  // rows of x (== m without a gather)
 };
 
+// The largest int32: the Hopper kernels' bound on each of m, n, k and groups
+// (CUTLASS's problem shapes and the tensor maps' coordinates are int32).
+constexpr int64_t kInt32Max = 2147483647;
+
 }  // namespace jax_moe

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/gemm_dims.h"
+
 namespace jax_moe {
 
 // Experts averaging at most this many rows: there the own kernel's 64-row
@@ -32,7 +34,6 @@ constexpr int64_t kWgmmaMaxExperts = 1024;
 // of 16. The kernel also checks what needs the device or the call
 // (compute capability 9.0, 16-byte aligned pointers, a gather with the act).
 inline bool WgmmaShapeOk(int64_t m, int64_t n, int64_t k, int64_t groups, bool act) {
-  constexpr int64_t kInt32Max = 2147483647;
   return m > 0 && m <= kInt32Max && n > 0 && n % 8 == 0 && k > 0 && k <= kInt32Max &&
          k % 8 == 0 && groups > 0 && groups <= kWgmmaMaxExperts && n <= kInt32Max / groups &&
          (!act || n % 16 == 0);

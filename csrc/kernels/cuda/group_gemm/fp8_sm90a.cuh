@@ -26,6 +26,7 @@
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 
 #include "kernels/common/fp8_e4m3.h"
+#include "kernels/common/gemm_dims.h"
 #include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/fp8_sm90a.h"
@@ -245,7 +246,6 @@ __global__ void __launch_bounds__(kPrepThreads)
 template <typename G>
 cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   *ran = false;
-  constexpr int64_t kInt32Max = 2147483647;
   if (c.m <= 0 || c.m > kInt32Max || c.n <= 0 || c.n > kInt32Max || c.k <= 0 ||
       c.k > kInt32Max || c.groups <= 0 || c.groups > kInt32Max || c.n % 8 != 0 ||
       c.k % 16 != 0 || c.m * ((c.k + kFp8Block - 1) / kFp8Block) > kInt32Max ||

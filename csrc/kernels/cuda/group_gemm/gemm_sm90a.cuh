@@ -14,6 +14,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/common/gemm_dims.h"
 #include "kernels/common/numeric.h"
 #include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/gemm_sm90a.h"
@@ -257,7 +258,6 @@ template <typename LayoutB>
 cudaError_t DispatchSm90(const Sm90GemmCall& c, bool* ran) {
   using T = Tiles<LayoutB>;
   *ran = false;
-  constexpr int64_t kInt32Max = 2147483647;
   if (c.m <= 0 || c.m > kInt32Max || c.n <= 0 || c.n > kInt32Max || c.k <= 0 || c.k > kInt32Max ||
       c.groups <= 0 || c.groups > kInt32Max || c.n % 8 != 0 || c.k % 8 != 0 ||
       !Aligned16(c.x) || !Aligned16(c.w) || !Aligned16(c.out))

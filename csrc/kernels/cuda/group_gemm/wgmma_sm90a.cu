@@ -40,6 +40,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/gemm_dims.h"
 #include "kernels/common/numeric.h"
 #include "kernels/common/wgmma_rule.h"
 #include "kernels/cuda/act_math.cuh"
@@ -462,7 +463,6 @@ static_assert(kWgmmaMaxExperts <= kPersistMaxE, "the schedule's scan holds every
 
 cudaError_t GroupGemmWgmma(const WgmmaGemmCall& c, bool* ran) {
   *ran = false;
-  constexpr int64_t kInt32Max = 2147483647;
   const bool gather = c.rows != nullptr;
   if (!WgmmaShapeOk(c.m, c.n, c.k, c.groups, c.act >= 0) || (c.act >= 0 && !gather) ||
       (gather && (c.x_rows <= 0 || c.x_rows > kInt32Max || c.topk <= 0)) || !Aligned16(c.x) ||

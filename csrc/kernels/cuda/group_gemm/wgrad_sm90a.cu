@@ -38,6 +38,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/common/gemm_dims.h"
 #include "kernels/common/numeric.h"
 #include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/sm90_common.cuh"
@@ -351,7 +352,6 @@ int64_t GroupGemmWgradSm90ScratchBytes(int64_t m, int64_t k, int64_t groups, boo
 
 cudaError_t GroupGemmWgradSm90(const Sm90WgradCall& c, bool* ran) {
   *ran = false;
-  constexpr int64_t kInt32Max = 2147483647;
   if (c.m < 0 || c.m > kInt32Max || c.n <= 0 || c.n > kInt32Max || c.k <= 0 ||
       c.k > kInt32Max || c.groups <= 0 || c.groups > kInt32Max || c.n % 8 != 0 ||
       c.k % 8 != 0 || !Aligned16(c.dy) || !Aligned16(c.x) || !Aligned16(c.out))
