@@ -7,9 +7,11 @@ Runs bench_moe.make_loop's straight-line program of --calls dependent layer
 calls once to compile and warm up, then once under jax.profiler.trace, and
 prints every kernel on the GPU's streams: its time divided by the call count
 (µs; a kernel that starts while the one before it runs counts from that
-one's end), its launches per call, and its share of the busy time, largest
-first. Gaps between kernels are not in it (bench_moe measures the wall
-time).
+one's end), its launches per call, its share of the busy time, and the idle
+time of its stream just before it started (µs per call: the GPU waiting for
+the host or for a dependency), largest first. The head line adds the whole
+span per call (first kernel's start to last kernel's end), which bench_moe's
+wall time follows.
 """
 
 from __future__ import annotations
@@ -44,19 +46,22 @@ def gpu_kernel_events(trace: dict) -> list:
 
 
 def kernel_times(events) -> tuple:
-    """({kernel name: µs}, {kernel name: launches}) of the events. A kernel
-    launched early (programmatic dependent launch) waits inside the one
-    before it: each kernel counts from where its stream's previous kernel
-    ended, so that overlapping spans are counted once."""
-    total, count = collections.Counter(), collections.Counter()
+    """({kernel name: µs}, {kernel name: launches}, {kernel name: idle µs
+    before it}) of the events. A kernel launched early (programmatic
+    dependent launch) waits inside the one before it: each kernel counts
+    from where its stream's previous kernel ended, so that overlapping spans
+    are counted once; the idle time is its start minus that end, where
+    positive."""
+    total, count, idle = collections.Counter(), collections.Counter(), collections.Counter()
     last_end = {}
     for ev in sorted(events, key=lambda ev: float(ev["ts"])):
         start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
         stream = (ev["pid"], ev.get("tid"))
         total[ev["name"]] += max(0.0, end - max(start, last_end.get(stream, start)))
+        idle[ev["name"]] += max(0.0, start - last_end.get(stream, start))
         last_end[stream] = max(end, last_end.get(stream, end))
         count[ev["name"]] += 1
-    return total, count
+    return total, count, idle
 
 
 def main(argv=None) -> int:
@@ -99,13 +104,16 @@ def main(argv=None) -> int:
     if not events:
         print("the trace has no GPU kernels (no GPU, or no device tracing)", file=sys.stderr)
         return 1
-    total, count = kernel_times(events)
+    total, count, idle = kernel_times(events)
     whole = sum(total.values())
+    span = (max(float(e["ts"]) + float(e["dur"]) for e in events)
+            - min(float(e["ts"]) for e in events))
     print(f"# {args.shape} T={args.tokens}{' fp8' if args.fp8 else ''}: {args.calls} calls, "
-          f"kernel time {whole / args.calls:.1f} µs a call")
+          f"kernel time {whole / args.calls:.1f} µs a call, span {span / args.calls:.1f}")
+    print(f"{'µs':>10}  {'calls':>6}  {'share':>6}  {'idle µs':>8}  kernel")
     for name, us in total.most_common():
-        print(f"{us / args.calls:10.1f} µs  {count[name] / args.calls:5.1f}x  "
-              f"{100 * us / whole:5.1f}%  {name[:110]}")
+        print(f"{us / args.calls:10.1f}  {count[name] / args.calls:5.1f}x  "
+              f"{100 * us / whole:5.1f}%  {idle[name] / args.calls:8.1f}  {name[:100]}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """tools/kernel_times.py's reading of a trace, on synthetic events: only the
 GPU streams' kernels count (not the host, not XLA's module and op lines),
-and a kernel that starts inside the previous one on its stream (PDL) counts
-from that one's end."""
+a kernel that starts inside the previous one on its stream (PDL) counts
+from that one's end, and a stream's idle time is charged to the kernel
+after it."""
 
 import importlib.util
 import os
@@ -45,6 +46,9 @@ def test_overlapping_launches_count_once(kt):
               _x(2, 20, "combine", 50, 5),   # after a gap of 5
               _x(2, 20, "gemm", 60, 40),
               _x(2, 21, "copy", 0, 7)]       # another stream: its own timeline
-    total, count = kt.kernel_times(events)
+    total, count, idle = kt.kernel_times(events)
     assert total == {"gemm": 80.0, "act": 5.0, "combine": 5.0, "copy": 7.0}
     assert count == {"gemm": 2, "act": 1, "combine": 1, "copy": 1}
+    # combine waited 5 after act's end (45 -> 50), the second gemm 5 after
+    # combine's (55 -> 60); the early-launched act and the other stream none
+    assert idle == {"gemm": 5.0, "act": 0.0, "combine": 5.0, "copy": 0.0}
