@@ -11,7 +11,9 @@ one's end), its launches per call, its share of the busy time, and the idle
 time of its stream just before it started (µs per call: the GPU waiting for
 the host or for a dependency), largest first. The head line adds the whole
 span per call (first kernel's start to last kernel's end), which bench_moe's
-wall time follows.
+wall time follows, and the next line each call's span in chain order (from
+one launch of the chain's first kernel to the next), to show a chain whose
+later calls run slower.
 """
 
 from __future__ import annotations
@@ -64,6 +66,21 @@ def kernel_times(events) -> tuple:
     return total, count, idle
 
 
+def call_spans(events, calls: int) -> list | None:
+    """Each call's span (µs) in chain order: from one start of the first
+    kernel of the timeline to the next, the last call to the timeline's end;
+    None when that kernel does not run once a call."""
+    if not events:
+        return None
+    events = sorted(events, key=lambda ev: float(ev["ts"]))
+    first = events[0]["name"]
+    starts = [float(ev["ts"]) for ev in events if ev["name"] == first]
+    if len(starts) != calls:
+        return None
+    end = max(float(ev["ts"]) + float(ev["dur"]) for ev in events)
+    return [b - a for a, b in zip(starts, starts[1:] + [end])]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,6 +127,9 @@ def main(argv=None) -> int:
             - min(float(e["ts"]) for e in events))
     print(f"# {args.shape} T={args.tokens}{' fp8' if args.fp8 else ''}: {args.calls} calls, "
           f"kernel time {whole / args.calls:.1f} µs a call, span {span / args.calls:.1f}")
+    spans = call_spans(events, args.calls)
+    if spans is not None:
+        print("call spans µs: " + " ".join(f"{us:.1f}" for us in spans))
     print(f"{'µs':>10}  {'calls':>6}  {'share':>6}  {'idle µs':>8}  kernel")
     for name, us in total.most_common():
         print(f"{us / args.calls:10.1f}  {count[name] / args.calls:5.1f}x  "

@@ -2,7 +2,8 @@
 GPU streams' kernels count (not the host, not XLA's module and op lines),
 a kernel that starts inside the previous one on its stream (PDL) counts
 from that one's end, and a stream's idle time is charged to the kernel
-after it."""
+after it; each call's span runs from one start of the chain's first kernel
+to the next."""
 
 import importlib.util
 import os
@@ -52,3 +53,11 @@ def test_overlapping_launches_count_once(kt):
     # combine waited 5 after act's end (45 -> 50), the second gemm 5 after
     # combine's (55 -> 60); the early-launched act and the other stream none
     assert idle == {"gemm": 5.0, "act": 0.0, "combine": 5.0, "copy": 0.0}
+
+
+def test_call_spans(kt):
+    events = [_x(2, 20, "route", 0, 5), _x(2, 20, "gemm", 5, 40),
+              _x(2, 20, "route", 50, 5), _x(2, 20, "gemm", 55, 60)]
+    assert kt.call_spans(events, 2) == [50.0, 65.0]
+    assert kt.call_spans(events, 3) is None  # the first kernel does not run once a call
+    assert kt.call_spans([], 1) is None
