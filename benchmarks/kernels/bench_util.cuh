@@ -61,10 +61,17 @@ double MedianLaunchMicros(F&& fn, int calls, int reps, cudaStream_t stream = 0) 
 
 // `rotations` random routings of `tokens` tokens, each to `topk` distinct
 // experts of `experts` (seed 7): expert_sizes laid out [rotation][expert],
-// and the mean number of experts a routing touches.
+// and the mean number of experts a routing touches. With `dst_to_src`, also
+// each routing's slots in expert order as the layer's token index lays them
+// out (an expert's slots by token; slot t * topk + j is token t's j-th pick),
+// laid out [rotation][tokens * topk].
 inline std::vector<int32_t> RandomExpertSizes(int experts, int tokens, int topk, int rotations,
-                                              double* mean_active) {
+                                              double* mean_active,
+                                              std::vector<int32_t>* dst_to_src = nullptr) {
   std::vector<int32_t> sizes(static_cast<size_t>(rotations) * experts, 0);
+  const size_t slots = static_cast<size_t>(tokens) * topk;
+  std::vector<int32_t> picks(slots);
+  if (dst_to_src != nullptr) dst_to_src->assign(static_cast<size_t>(rotations) * slots, -1);
   std::mt19937 rng(7);
   int64_t active = 0;
   for (int r = 0; r < rotations; ++r) {
@@ -76,9 +83,16 @@ inline std::vector<int32_t> RandomExpertSizes(int experts, int tokens, int topk,
         std::uniform_int_distribution<int> pick(j, experts - 1);
         std::swap(ids[j], ids[pick(rng)]);
         s[ids[j]]++;
+        picks[static_cast<size_t>(t) * topk + j] = ids[j];
       }
     }
     for (int i = 0; i < experts; ++i) active += s[i] > 0;
+    if (dst_to_src != nullptr) {  // a counting sort of the slots by expert, stable in slot order
+      std::vector<int64_t> next(experts, 0);
+      for (int i = 1; i < experts; ++i) next[i] = next[i - 1] + s[i - 1];
+      int32_t* d = dst_to_src->data() + static_cast<size_t>(r) * slots;
+      for (size_t slot = 0; slot < slots; ++slot) d[next[picks[slot]]++] = static_cast<int32_t>(slot);
+    }
   }
   *mean_active = static_cast<double>(active) / rotations;
   return sizes;

@@ -1,7 +1,8 @@
 // The grouped GEMM's own Hopper kernel (GroupGemmWgmma) against the CUTLASS
 // sm90 kernel (GroupGemmSm90, tile_m = 256) on the prefill GEMMs of the model
 // shapes: random top-k routings, both without and with the gather (x as the
-// token rows and a dst_to_src of the slots). Each output is checked against
+// token rows and each routing's dst_to_src, an expert's slots in token order
+// as the layer's token index writes them). Each output is checked against
 // an f32 reference on the device (every row for the small cases, sampled
 // rows of every expert otherwise) and the two kernels against each other.
 // µs per call: CUDA events, the median of 5 x 10 calls, routings rotated.
@@ -102,12 +103,13 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&out, m * n * 2));
     CK(cudaMalloc(&out2, m * n * 2));
     CK(cudaMalloc(&sizes, kRot * cs.E * 4));
-    CK(cudaMalloc(&gather, m * 4));
+    CK(cudaMalloc(&gather, kRot * m * 4));
     FillKernel<<<1024, 256>>>(w, wn, 11, 1.f / std::sqrt(static_cast<float>(k)));
     FillKernel<<<1024, 256>>>(x, m * k, 12, 1.f);
     FillKernel<<<1024, 256>>>(xt, int64_t{cs.T} * k, 13, 1.f);
     double active = 0;
-    std::vector<int32_t> hs = RandomExpertSizes(cs.E, cs.T, cs.topk, kRot, &active);
+    std::vector<int32_t> hg;  // dst_to_src, [rotation][m]
+    std::vector<int32_t> hs = RandomExpertSizes(cs.E, cs.T, cs.topk, kRot, &active, &hg);
     if (edge) {  // routing 0: the first expert empty and 5 rows fewer than m (a zero tail)
       int32_t* s0 = hs.data();
       int64_t drop = 5;
@@ -122,15 +124,8 @@ int main(int argc, char** argv) {
       }
     }
     CK(cudaMemcpy(sizes, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
-    // dst_to_src: a permutation of the slots, with an invalid entry in the edge cases.
-    std::vector<int32_t> hg(m);
-    {
-      std::mt19937 rng(3);
-      for (int64_t i = 0; i < m; ++i) hg[i] = static_cast<int32_t>(i);
-      std::shuffle(hg.begin(), hg.end(), rng);
-      if (edge) hg[m / 2] = -1;
-    }
-    CK(cudaMemcpy(gather, hg.data(), m * 4, cudaMemcpyHostToDevice));
+    if (edge) hg[m / 2] = -1;  // an invalid entry in routing 0's dst_to_src
+    CK(cudaMemcpy(gather, hg.data(), kRot * m * 4, cudaMemcpyHostToDevice));
     const size_t scratch_bytes =
         static_cast<size_t>(jax_moe::GroupGemmSm90ScratchBytes(m, k, cs.E, true));
     void* scratch;
@@ -171,12 +166,13 @@ int main(int argc, char** argv) {
           xin, w, sizes, cs.E, gath ? gather : nullptr, cs.topk, cs.T, dlist, dref, n, k);
       CK(cudaMemcpy(href.data(), dref, href.size() * 4, cudaMemcpyDeviceToHost));
       // The fields the two kernels' calls share (the same names in both).
-      auto fill = [&](auto& c, const int32_t* sz, uint16_t* o) {
+      // Routing `rot`'s expert sizes and dst_to_src.
+      auto fill = [&](auto& c, int rot, uint16_t* o) {
         c.bf16 = true;
         c.x = xin;
         c.w = w;
-        c.sizes = sz;
-        c.rows = gath ? gather : nullptr;
+        c.sizes = sizes + rot * cs.E;
+        c.rows = gath ? gather + rot * m : nullptr;
         c.topk = cs.topk;
         c.out = o;
         c.m = m;
@@ -185,9 +181,9 @@ int main(int argc, char** argv) {
         c.groups = cs.E;
         c.x_rows = gath ? cs.T : m;
       };
-      auto run_ours = [&](const int32_t* sz, uint16_t* o, int64_t act = -1) {
+      auto run_ours = [&](int rot, uint16_t* o, int64_t act = -1) {
         jax_moe::WgmmaGemmCall c{};
-        fill(c, sz, o);
+        fill(c, rot, o);
         c.act = act;
         c.counter = counter;
         bool ran = false;
@@ -197,9 +193,9 @@ int main(int argc, char** argv) {
           exit(1);
         }
       };
-      auto run_cutlass = [&](const int32_t* sz, uint16_t* o) {
+      auto run_cutlass = [&](int rot, uint16_t* o) {
         jax_moe::Sm90GemmCall c{};
-        fill(c, sz, o);
+        fill(c, rot, o);
         c.scratch = scratch;
         c.scratch_bytes = scratch_bytes;
         bool ran = false;
@@ -211,8 +207,8 @@ int main(int argc, char** argv) {
       };
       CK(cudaMemset(out, 0xff, m * n * 2));
       CK(cudaMemset(out2, 0xff, m * n * 2));
-      run_ours(sizes, out);
-      run_cutlass(sizes, out2);
+      run_ours(0, out);
+      run_cutlass(0, out2);
       CK(cudaDeviceSynchronize());
       CK(cudaMemcpy(ho.data(), out, m * n * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(ho2.data(), out2, m * n * 2, cudaMemcpyDeviceToHost));
@@ -242,7 +238,7 @@ int main(int argc, char** argv) {
       const bool fused = gath && n % 16 == 0;
       if (fused) {
         CK(cudaMemset(out2, 0xff, m * n * 2));
-        run_ours(sizes, out2, jax_moe::kSilu);
+        run_ours(0, out2, jax_moe::kSilu);
         CK(cudaMemcpy(ho2.data(), out2, m * n / 2 * 2, cudaMemcpyDeviceToHost));
         CK(jax_moe::LaunchActivation(0, jax_moe::DType::BF16, jax_moe::kSilu, true, out, m, n / 2,
                                      out2, false));
@@ -256,9 +252,9 @@ int main(int argc, char** argv) {
       }
       if (edge) continue;
       const double us_c = MedianLaunchMicros(
-          [&](int i) { run_cutlass(sizes + (i % kRot) * cs.E, out2); }, kCalls, kReps);
+          [&](int i) { run_cutlass(i % kRot, out2); }, kCalls, kReps);
       const double us_o = MedianLaunchMicros(
-          [&](int i) { run_ours(sizes + (i % kRot) * cs.E, out); }, kCalls, kReps);
+          [&](int i) { run_ours(i % kRot, out); }, kCalls, kReps);
       printf("  %s: cutlass %9.1f us %6.1f TFLOP/s | ours %9.1f us %6.1f TFLOP/s | %.3fx\n",
              gath ? "gather" : "plain ", us_c, flops / us_c / 1e6, us_o, flops / us_o / 1e6,
              us_c / us_o);
@@ -266,13 +262,13 @@ int main(int argc, char** argv) {
         uint16_t* act_out = out + m * n / 2;  // the second half of out: not read by the GEMMs
         const double us_ca = MedianLaunchMicros(
             [&](int i) {
-              run_cutlass(sizes + (i % kRot) * cs.E, out2);
+              run_cutlass(i % kRot, out2);
               CK(jax_moe::LaunchActivation(0, jax_moe::DType::BF16, jax_moe::kSilu, true, out2, m,
                                            n / 2, act_out, false));
             },
             kCalls, kReps);
         const double us_f = MedianLaunchMicros(
-            [&](int i) { run_ours(sizes + (i % kRot) * cs.E, out2, jax_moe::kSilu); }, kCalls,
+            [&](int i) { run_ours(i % kRot, out2, jax_moe::kSilu); }, kCalls,
             kReps);
         printf("  +act:   cutlass + activation %9.1f us | ours fused %9.1f us | %.3fx\n", us_ca,
                us_f, us_ca / us_f);
