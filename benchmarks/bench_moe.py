@@ -1,9 +1,10 @@
 """End-to-end MoE layer benchmark: jax_moe (FFI kernels) vs the pure-JAX path
 (reference.py, jax.lax.ragged_dot), routing through combine.
 
-Device time per call comes from jitted programs of many calls: each call feeds
-its output to the next and takes fresh routing (the logits rotate among several
-random batches), so nothing is cached or hoisted. After a warm-up each program
+Device time per call comes from jitted programs of many calls: each call waits
+for the previous one's output (its router logits depend on it), takes the same
+input rows and fresh routing (the logits rotate among several random batches),
+so nothing is cached or hoisted. After a warm-up each program
 runs several times (median); the time per call is the slope between a program
 of --calls calls and one of a fifth as many (the fixed cost of dispatching a
 program cancels out; _bench_common.per_call_seconds), reported with % of the hardware
@@ -82,10 +83,13 @@ def measure_ceilings(quick: bool) -> tuple[float, float]:
 def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 1):
     """`calls` layer calls in one jitted straight-line program (see
     _bench_common.chain); call i routes with logits[i % R], made to depend on
-    the previous call's output (_bench_common.after), and takes that output
-    as its input. chunks > 1: each call runs the layer on `chunks` equal
-    slices of the tokens one after another (lax.map; routing is per token, so
-    the result is the same), for a path that cannot compile the whole batch."""
+    the previous call's output (_bench_common.after), and takes x as its
+    input. (Fed back as the next input, the output of a layer with random
+    weights and no residual shrinks to zeros within a few calls, and the
+    chain would time the kernels on zeros.) chunks > 1: each call runs the
+    layer on `chunks` equal slices of the tokens one after another (lax.map;
+    routing is per token, so the result is the same), for a path that cannot
+    compile the whole batch."""
 
     def layer(h, lg, w13, w2, bias, scales):
         return jax_moe.moe_forward(h, lg, w13, w2, topk, backend=backend,
@@ -97,12 +101,12 @@ def make_loop(backend: str, topk: int, calls: int, routing: dict, chunks: int = 
         def body(i, h):
             lg = after(logits[i % logits.shape[0]], h)
             if chunks == 1:
-                return layer(h, lg, w13, w2, bias, scales)
-            t = h.shape[0]
+                return layer(x, lg, w13, w2, bias, scales)
+            t = x.shape[0]
             out = jax.lax.map(lambda a: layer(a[0], a[1], w13, w2, bias, scales),
-                              (h.reshape(chunks, t // chunks, -1),
+                              (x.reshape(chunks, t // chunks, -1),
                                lg.reshape(chunks, t // chunks, -1)))
-            return out.reshape(h.shape)
+            return out.reshape(x.shape)
         return chain(body, calls, x)
 
     return run

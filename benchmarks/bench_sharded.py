@@ -155,8 +155,9 @@ def random_arrays(key, specs: dict) -> dict:
 
 def layer_loop(layer, calls, train):
     """`calls` chained calls of layer(h, logits, w13, w2) -> (T, H): forwards,
-    run(x, logits, w13, w2), or with `train` training steps,
-    run(x, logits, w13, w2, ct)."""
+    run(x, logits, w13, w2), each on x and waiting for the previous call's
+    output through its logits (as bench_moe.make_loop), or with `train`
+    training steps, run(x, logits, w13, w2, ct)."""
     if train:
         step = training_step(layer)
         return jax.jit(lambda *args: training_chain(step, calls, *args))
@@ -164,7 +165,7 @@ def layer_loop(layer, calls, train):
     @jax.jit
     def run(x, logits, w13, w2):
         def body(i, h):
-            return layer(h, after(logits[i % logits.shape[0]], h), w13, w2)
+            return layer(x, after(logits[i % logits.shape[0]], h), w13, w2)
         return chain(body, calls, x)
     return run
 

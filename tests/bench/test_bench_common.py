@@ -111,6 +111,38 @@ def test_bench_moe_token_slices_give_the_same_layer(monkeypatch, backend):
         np.testing.assert_allclose(got, outs[0], rtol=1e-5, atol=1e-6)
 
 
+def test_bench_moe_chain_gives_every_call_x(monkeypatch):
+    # Every call of bench_moe's chain takes the benchmark's rows x (the
+    # previous output, fed back, would shrink to zeros: random weights, no
+    # residual), waits for the previous call and routes on its own: the chain
+    # ends with the layer of x under its last call's logits, and a program of
+    # n calls holds n times one call's custom calls (none hoisted or shared).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import jax_moe
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    bench_moe = importlib.import_module("bench_moe")
+    rng = np.random.default_rng(2)
+    t, h, i, e, k, draws, calls = 8, 16, 8, 4, 2, 3, 5
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    lg = jnp.asarray(rng.standard_normal((draws, t, e)), jnp.float32)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.2, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.2, jnp.float32)
+
+    def kernels(n):
+        hlo = bench_moe.make_loop("ffi", k, n, {}).lower(x, lg, w13, w2, None).compile().as_text()
+        return hlo.count('custom_call_target="jax_moe_')
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        out = bench_moe.make_loop("ffi", k, calls, {})(x, lg, w13, w2, None)
+        want = jax_moe.moe_forward(x, lg[(calls - 1) % draws], w13, w2, k, backend="ffi")
+        one, many = kernels(1), kernels(calls)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert np.abs(np.asarray(out)).max() > 0.1
+    assert one > 0 and many == calls * one
+
+
 @pytest.mark.parametrize("script, argv", [
     ("bench_moe", ["--ref-chunks", "0"]), ("bench_moe", ["--calls", "0"]),
     ("bench_moe", ["--ref-calls", "-1"]), ("bench_moe", ["--repeats", "0"]),
