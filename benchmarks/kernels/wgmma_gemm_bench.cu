@@ -165,8 +165,8 @@ int main(int argc, char** argv) {
       RefRowsKernel<<<dim3((n + 7) / 8, list.size()), 256>>>(
           xin, w, sizes, cs.E, gath ? gather : nullptr, cs.topk, cs.T, dlist, dref, n, k);
       CK(cudaMemcpy(href.data(), dref, href.size() * 4, cudaMemcpyDeviceToHost));
-      // The fields the two kernels' calls share (the same names in both).
-      // Routing `rot`'s expert sizes and dst_to_src.
+      // The fields the two kernels' calls share (the same names in both), with
+      // routing `rot`'s expert sizes and dst_to_src.
       auto fill = [&](auto& c, int rot, uint16_t* o) {
         c.bf16 = true;
         c.x = xin;
