@@ -71,9 +71,12 @@ float Bf(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
 
 }  // namespace
 
-// argv[1] (optional): run only the cases whose name contains it.
+// argv[1] (optional): run only the cases whose name contains it. argv[2]
+// (optional) "zeros": the token rows are zeros (the weights stay random), to
+// time the kernels on zero-valued inputs.
 int main(int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : "";
+  const float row_scale = argc > 2 && std::string(argv[2]) == "zeros" ? 0.f : 1.f;
   // up: the gate/up GEMM (N = 2I, K = H), dn: the down GEMM (N = H, K = I).
   // The "edge" cases: odd sizes, an expert with every row, few rows.
   const Case cases[] = {
@@ -105,8 +108,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&sizes, kRot * cs.E * 4));
     CK(cudaMalloc(&gather, kRot * m * 4));
     FillKernel<<<1024, 256>>>(w, wn, 11, 1.f / std::sqrt(static_cast<float>(k)));
-    FillKernel<<<1024, 256>>>(x, m * k, 12, 1.f);
-    FillKernel<<<1024, 256>>>(xt, int64_t{cs.T} * k, 13, 1.f);
+    FillKernel<<<1024, 256>>>(x, m * k, 12, row_scale);
+    FillKernel<<<1024, 256>>>(xt, int64_t{cs.T} * k, 13, row_scale);
     double active = 0;
     std::vector<int32_t> hg;  // dst_to_src, [rotation][m]
     std::vector<int32_t> hs = RandomExpertSizes(cs.E, cs.T, cs.topk, kRot, &active, &hg);
@@ -155,9 +158,9 @@ int main(int argc, char** argv) {
     std::vector<float> href(list.size() * n);
     std::vector<uint16_t> ho(m * n), ho2(m * n);
 
-    printf("%-14s E %d N %lld K %lld m %lld, rows an expert %.1f\n", cs.name, cs.E,
+    printf("%-14s E %d N %lld K %lld m %lld, rows an expert %.1f%s\n", cs.name, cs.E,
            static_cast<long long>(n), static_cast<long long>(k), static_cast<long long>(m),
-           static_cast<double>(m) / active);
+           static_cast<double>(m) / active, row_scale == 0.f ? ", zero rows" : "");
     const double flops = 2.0 * m * n * k;
     for (int g = 0; g < 2; ++g) {
       const bool gath = g == 1;
