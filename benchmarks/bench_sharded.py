@@ -185,7 +185,9 @@ def sharded_loop(mesh, strategy, topk, calls, train=False):
 def expert_loop(plan, calls, train=False):
     """The layer's per-device compute with no collective (see the docstring):
     carry xg is (N * T_glob, H) globally, (T_glob, H) = the post-dispatch rows
-    per device. With `train`, training steps: run(..., ct) with ct like xg."""
+    per device; forwards run on xg every call, their logits waiting for the
+    previous output. With `train`, training steps: run(..., ct) with ct like
+    xg."""
     impl = jax_moe.backends.get("ffi")
     steps = jax_moe.backends.steps("ffi")
     tok = P(plan.token_axes, None)
@@ -201,8 +203,15 @@ def expert_loop(plan, calls, train=False):
         y = parallel._local_experts(steps, xg, wg, idg - rank * e_loc, w13, w2, plan)
         return y.astype(xg.dtype)
 
+    def local_after(xg, logits, w_pre, id_pre, w13, w2, prev):
+        # The forward chain's dependency: this device's logits wait for its
+        # rows of the previous output (prev: N x the logits' rows, as xg).
+        lg = after(logits, prev.reshape(logits.shape[0], -1))
+        return local(xg, lg, w_pre, id_pre, w13, w2)
+
     specs = (tok, tok, tok, tok, P(plan.ep, None, plan.tp, None), P(plan.ep, None, plan.tp))
     step = parallel._shard_map(local, plan.mesh, specs, tok)
+    step_after = parallel._shard_map(local_after, plan.mesh, specs + (tok,), tok)
 
     if train:
         @jax.jit
@@ -223,9 +232,9 @@ def expert_loop(plan, calls, train=False):
 
     @jax.jit
     def run(xg, logits, w_pre, id_pre, w13, w2):
-        def body(i, h):
+        def body(i, h):  # every call on xg, as layer_loop's forward on x
             r = i % logits.shape[0]
-            return step(h, logits[r], w_pre[r], id_pre[r], w13, w2)
+            return step_after(xg, logits[r], w_pre[r], id_pre[r], w13, w2, h)
         return chain(body, calls, xg)
     return run
 

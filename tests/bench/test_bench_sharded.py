@@ -1,7 +1,8 @@
 """benchmarks/bench_sharded.py --quick on the 8 CPU host devices: one row per
 mesh factorisation of 8, strategy and tokens-per-device, plus the 1-device
 baseline rows, all with positive times; with --train, the same for training
-steps on 4 of the devices, for the meshes --tp picks."""
+steps on 4 of the devices, for the meshes --tp picks. The expert-only forward
+chain runs every call on its rows, with no collective."""
 
 import json
 import os
@@ -70,3 +71,43 @@ def test_bench_sharded_train_quick(tmp_path):
         assert r["single_us"] == single[0]["total_us"]
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert "µs/step" in table[0] and len(table) == 1 + len(rows)
+
+
+def test_expert_loop_runs_every_call_on_its_rows(monkeypatch):
+    # The expert-only forward chain gives every call the post-dispatch rows xg
+    # (fed back, a random-weight layer's output shrinks to zeros), makes its
+    # logits wait for the previous output and compiles to no collective: with
+    # R routings, call R repeats call 0's routing on xg, so a chain of R + 1
+    # calls ends where one call does.
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jax_moe import parallel
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    bs = importlib.import_module("bench_sharded")
+    h, i, e, k = bs.QUICK_SHAPES["tiny"]
+    devices = jax.devices("cpu")[:8]
+    a = bs.token_sets((h, i, e, k), devices, [16], jnp.float32, jax.random.PRNGKey(0))[16]
+    mesh = Mesh(np.asarray(devices).reshape(4, 2), ("ep", "tp"))
+    sh = parallel.moe_shardings(mesh)
+    stacked = NamedSharding(mesh, P(None, ("ep", "tp"), None))
+    w = bs.random_arrays(jax.random.PRNGKey(1), {
+        "w13": ((e, 2, i, h), jnp.float32, h**-0.5, sh["w13"]),
+        "w2": ((e, h, i), jnp.float32, i**-0.5, sh["w2"])})
+    x, xg = bs.relabel(a["x"], sh["hidden_states"]), bs.relabel(a["xg"], sh["hidden_states"])
+    logits = bs.relabel(a["logits"], stacked)
+    args = (xg, logits, *[bs.relabel(r, stacked) for r in a["routing"]], w["w13"], w["w2"])
+    plan = parallel._make_plan(x, jax.ShapeDtypeStruct(logits.shape[1:], logits.dtype),
+                               w["w13"], w["w2"], k, mesh, "ep", "tp", True, "silu", None,
+                               "ffi", "allgather")
+    one = bs.expert_loop(plan, 1)
+    many = bs.expert_loop(plan, logits.shape[0] + 1)
+    np.testing.assert_array_equal(np.asarray(many(*args)), np.asarray(one(*args)))
+    assert np.abs(np.asarray(one(*args))).max() > 0.1
+    hlo = many.lower(*args).compile().as_text()
+    for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter"):
+        assert op not in hlo, op
