@@ -66,6 +66,12 @@ def kernel_times(events) -> tuple:
     return total, count, idle
 
 
+def timeline(events) -> tuple:
+    """(first start, last end) of the events, µs."""
+    return (min(float(ev["ts"]) for ev in events),
+            max(float(ev["ts"]) + float(ev["dur"]) for ev in events))
+
+
 def call_spans(events, calls: int) -> list | None:
     """Each call's span (µs) in chain order: from one start of the first
     kernel of the timeline to the next, the last call to the timeline's end;
@@ -77,8 +83,7 @@ def call_spans(events, calls: int) -> list | None:
     starts = [float(ev["ts"]) for ev in events if ev["name"] == first]
     if len(starts) != calls:
         return None
-    end = max(float(ev["ts"]) + float(ev["dur"]) for ev in events)
-    return [b - a for a, b in zip(starts, starts[1:] + [end])]
+    return [b - a for a, b in zip(starts, starts[1:] + [timeline(events)[1]])]
 
 
 def main(argv=None) -> int:
@@ -123,8 +128,8 @@ def main(argv=None) -> int:
         return 1
     total, count, idle = kernel_times(events)
     whole = sum(total.values())
-    span = (max(float(e["ts"]) + float(e["dur"]) for e in events)
-            - min(float(e["ts"]) for e in events))
+    start, end = timeline(events)
+    span = end - start
     print(f"# {args.shape} T={args.tokens}{' fp8' if args.fp8 else ''}: {args.calls} calls, "
           f"kernel time {whole / args.calls:.1f} µs a call, span {span / args.calls:.1f}")
     spans = call_spans(events, args.calls)
