@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from common import (BAD_SIZES, DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, gather_rows,
-                    gemm_inputs, normal, on_cpu, ref, split_rows)
+                    gemm_inputs, normal, on_cpu, ref, split_rows, to_f64)
 from conftest import ON_GPU
 from jax_moe import ops
 
@@ -212,6 +212,41 @@ def test_group_gemm_sm90(rng, shape, pattern, dtype):
     _check_tile(rng, shape, pattern, 256, dtype)
 
 
+# Past the own kernel's 1024 experts CUTLASS's kernel runs at any rows count:
+# 64x128 pingpong tiles while the experts average < 64 rows, else 128x256
+# tiles where N >= 256 and 128x128 where N < 256.
+SM90_MANY_EXPERTS_SHAPES = [  # (M, K, N, E)
+    (3000, 136, 264, 1030),   # ~3 rows per expert: 64x128 tiles, N past 256
+    (70000, 8, 264, 1030),    # ~68 rows per expert: 128x256 tiles
+    (70000, 24, 136, 1030),   # N < 256: 128x128 tiles
+]
+
+
+def _np_group_gemm(x, w, sizes):
+    """The grouped GEMM in numpy (f64), one expert's rows at a time, rows past
+    sum(sizes) zero: the reference where ragged_dot's dense lowering (every
+    row against every expert) would take too long (over 1000 experts)."""
+    x, w, sizes = to_f64(x), to_f64(w), np.asarray(sizes)
+    out = np.zeros((x.shape[0], w.shape[1]))
+    start = 0
+    for e, rows in enumerate(sizes):
+        out[start:start + rows] = x[start:start + rows] @ w[e].T
+        start += rows
+    return out
+
+
+@half_dtypes
+@pytest.mark.parametrize("pattern", ["random", "all_in_one", "empty_first_middle_last"])
+@pytest.mark.parametrize("shape", SM90_MANY_EXPERTS_SHAPES, ids=str)
+def test_group_gemm_sm90_past_1024_experts(rng, shape, pattern, dtype):
+    m, _, n, _ = shape
+    x, w, sizes = gemm_inputs(rng, shape, pattern, dtype)
+    got = ops.group_gemm(x, w, sizes, tile_m=256)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert_close(got, _np_group_gemm(x, w, sizes), dtype, f"sizes={sizes}")
+    assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
+
+
 @pytest.mark.sanitize
 def test_group_gemm_sm90_small_sanitize(rng):
     # Small cases for compute-sanitizer: one row and E > M with a partial
@@ -233,13 +268,14 @@ def test_group_gemm_sm90_small_sanitize(rng):
 @pytest.mark.parametrize("shape", [(1, 72, 40, 8, 2), (37, 136, 72, 6, 3), (300, 200, 136, 4, 2),
                                    (600, 64, 256, 2, 2), (2200, 64, 136, 4, 2),
                                    (40, 2056, 72, 4, 3), (256, 64, 264, 4, 2),
-                                   (258, 64, 264, 4, 2)],
+                                   (258, 64, 264, 4, 2), (40, 2056, 72, 1030, 3)],
                          ids=["T1", "T37", "T300", "T600_wide", "T2200", "T40_K2056",
-                              "T256_own_last", "T258_cutlass_first"])
+                              "T256_own_last", "T258_cutlass_first", "T40_K2056_1030_experts"])
 def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
     # Experts averaging at most 128 rows (T1, T37, T40_K2056, T256: 512 rows
     # over 4) run the own kernel, which reads the token rows itself; from 129
-    # (T258: 516 rows over 4) CUTLASS's path expands the gathered rows (invalid entries: zero rows)
+    # (T258: 516 rows over 4), and past the own kernel's 1024 experts at any
+    # rows count, CUTLASS's path expands the gathered rows (invalid entries: zero rows)
     # before its GEMM: 4400 rows (T2200) are more than one pass of the prep
     # grid (8 blocks per SM, 1056 rows on 132 SMs); K = 2056 (257 16-byte
     # vectors) takes two passes of its 256 threads along a row. With `tail`,
@@ -254,7 +290,7 @@ def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
         s[np.flatnonzero(s)[-1]] = 0
         sizes = jnp.asarray(s)
     got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=256)
-    want = ref.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
+    want = _np_group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
     assert got.shape == (tokens * topk, n) and got.dtype == dtype
     assert_close(got, want, dtype, f"gather, tile_m=256, sizes={sizes}")
     assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
@@ -326,15 +362,16 @@ def test_group_gemm_sm90_scratch_bytes():
 
 
 @pytest.mark.parametrize("tile_m", [128, 256])
-@pytest.mark.parametrize("m", [256, 1024])
-def test_group_gemm_scratch_output_only_for_sm90(rng, tile_m, m):
+@pytest.mark.parametrize("m, experts", [(256, 4), (1024, 4), (256, 1030)])
+def test_group_gemm_scratch_output_only_for_sm90(rng, tile_m, m, experts):
     # The custom call's second output is the Hopper kernels' scratch: the own
     # kernel's 16-byte tile counter where experts average at most
-    # WGMMA_MAX_AVG_ROWS rows (m = 256 over 4 experts), CUTLASS's arrays sized
-    # by the extension above that (m = 1024), empty where neither runs.
+    # WGMMA_MAX_AVG_ROWS rows (m = 256 over 4 experts) and are at most 1024,
+    # CUTLASS's arrays sized by the extension elsewhere (m = 1024 over 4;
+    # 1030 experts), empty where neither runs.
     from jax_moe import tuning
     from jax_moe._ffi import _ext
-    k, n, experts = 64, 72, 4
+    k, n = 64, 72
     x = normal(rng, (m, k), jnp.bfloat16)
     w = normal(rng, (experts, n, k), jnp.bfloat16)
     sizes = jnp.asarray(split_rows(rng, m, experts, "random"))
@@ -342,7 +379,7 @@ def test_group_gemm_scratch_output_only_for_sm90(rng, tile_m, m):
     scratch = [int(b) for b in re.findall(r"tensor<(\d+)xui8>", text)]
     if tile_m != 256 or not tuning.sm90_usable(n, k, jnp.bfloat16):
         want = 0
-    elif m <= tuning.WGMMA_MAX_AVG_ROWS * experts:
+    elif m <= tuning.WGMMA_MAX_AVG_ROWS * experts and experts <= 1024:
         want = 16
     else:
         want = _ext.group_gemm_sm90_scratch_bytes(m, k, experts, False)

@@ -92,13 +92,13 @@ def test_moe_layer_same_bits_as_four_ops(rng, case, tiles, dtype):
     assert np.any(np.asarray(got, np.float32) != 0.0)
 
 
-def _check_calls_at_tile_256(rng, tokens, inter, one_call):
-    """moe_layer at tiles (256, 256), top-2 over 4 experts, H = 64: one call
-    (its last scratch output the two GEMMs' tile counters) or separate ones,
-    with the bits of the four ops either way."""
+def _check_calls_at_tile_256(rng, tokens, inter, one_call, experts=4):
+    """moe_layer at tiles (256, 256), top-2, H = 64: one call (its last
+    scratch output the two GEMMs' tile counters) or separate ones, with the
+    bits of the four ops either way."""
     x = normal(rng, (tokens, 64), jnp.bfloat16)
-    logits = router_logits(rng, tokens, 4, jnp.float32, None)
-    w13, w2 = mlp_weights(rng, 4, 64, inter, jnp.bfloat16)
+    logits = router_logits(rng, tokens, experts, jnp.float32, None)
+    w13, w2 = mlp_weights(rng, experts, 64, inter, jnp.bfloat16)
     layer = functools.partial(ops.moe_layer, topk=2, tile_m=(256, 256))
     text = jax.jit(layer).lower(x, logits, w13, w2).as_text()
     assert ("jax_moe_moe_layer" in text) == one_call, text
@@ -109,28 +109,32 @@ def _check_calls_at_tile_256(rng, tokens, inter, one_call):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens, one_call", [(128, True), (1024, False)])
-def test_moe_layer_one_call_where_the_own_kernel_runs(rng, tokens, one_call):
+@pytest.mark.parametrize("tokens, experts, one_call",
+                         [(128, 4, True), (1024, 4, False), (128, 1025, False)])
+def test_moe_layer_one_call_where_the_own_kernel_runs(rng, tokens, experts, one_call):
     # Tiles of 256 with experts averaging at most WGMMA_MAX_AVG_ROWS (128)
-    # rows: the own Hopper kernel, chained in the one moe_layer call (T = 128:
-    # 64 rows an expert); with more (T = 1024: 512), CUTLASS's kernels in
-    # separate calls with their scratch. Elsewhere than on Hopper: separate.
+    # rows, at most 1024 of them: the own Hopper kernel, chained in the one
+    # moe_layer call (T = 128: 64 rows an expert); with more rows (T = 1024:
+    # 512) or past 1024 experts, CUTLASS's kernels in separate calls with
+    # their scratch. Elsewhere than on Hopper: separate.
     from jax_moe import tuning
-    _check_calls_at_tile_256(rng, tokens, 128, one_call and tuning.sm90_device())
+    _check_calls_at_tile_256(rng, tokens, 128, one_call and tuning.sm90_device(), experts)
 
 
-@pytest.mark.parametrize("tokens, one_call", [(256, True), (258, False)])
-def test_moe_layer_one_call_switch_with_the_hopper_rule_forced(rng, monkeypatch, tokens,
+@pytest.mark.parametrize("tokens, experts, one_call",
+                         [(256, 4, True), (258, 4, False), (128, 1024, True), (128, 1025, False)])
+def test_moe_layer_one_call_switch_with_the_hopper_rule_forced(rng, monkeypatch, tokens, experts,
                                                                one_call):
     # The rule as on a Hopper GPU (sm90_usable forced, so that every backend
     # runs it): experts averaging at most WGMMA_MAX_AVG_ROWS (128) rows keep
     # one call, its last scratch output the two GEMMs' tile counters (T = 256,
     # top-2 over 4 experts: 128 rows); one row more (T = 258: 129) takes
-    # separate calls. Either way the bits of the four ops (the CPU handler
-    # leaves the counters alone).
+    # separate calls, and so does one expert past the own kernel's 1024.
+    # Either way the bits of the four ops (the CPU handler leaves the
+    # counters alone).
     from jax_moe import tuning
     monkeypatch.setattr(tuning, "sm90_usable", lambda n, k, dtype: True)
-    _check_calls_at_tile_256(rng, tokens, 64, one_call)
+    _check_calls_at_tile_256(rng, tokens, 64, one_call, experts)
 
 
 @pytest.mark.sanitize
