@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import oracle
 from common import (BAD_SIZES, DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, gather_rows,
-                    gemm_inputs, normal, on_cpu, ref, split_rows, to_f64)
+                    gemm_inputs, normal, on_cpu, ref, split_rows)
 from conftest import ON_GPU
 from jax_moe import ops
 
@@ -214,25 +215,13 @@ def test_group_gemm_sm90(rng, shape, pattern, dtype):
 
 # Past the own kernel's 1024 experts CUTLASS's kernel runs at any rows count:
 # 64x128 pingpong tiles while the experts average < 64 rows, else 128x256
-# tiles where N >= 256 and 128x128 where N < 256.
+# tiles where N >= 256 and 128x128 where N < 256. Checked against the numpy
+# oracle (ragged_dot's dense lowering over 1030 experts is slow on the CPU).
 SM90_MANY_EXPERTS_SHAPES = [  # (M, K, N, E)
     (3000, 136, 264, 1030),   # ~3 rows per expert: 64x128 tiles, N past 256
     (70000, 8, 264, 1030),    # ~68 rows per expert: 128x256 tiles
     (70000, 24, 136, 1030),   # N < 256: 128x128 tiles
 ]
-
-
-def _np_group_gemm(x, w, sizes):
-    """The grouped GEMM in numpy (f64), one expert's rows at a time, rows past
-    sum(sizes) zero: the reference where ragged_dot's dense lowering (every
-    row against every expert) would take too long (over 1000 experts)."""
-    x, w, sizes = to_f64(x), to_f64(w), np.asarray(sizes)
-    out = np.zeros((x.shape[0], w.shape[1]))
-    start = 0
-    for e, rows in enumerate(sizes):
-        out[start:start + rows] = x[start:start + rows] @ w[e].T
-        start += rows
-    return out
 
 
 @half_dtypes
@@ -243,7 +232,7 @@ def test_group_gemm_sm90_past_1024_experts(rng, shape, pattern, dtype):
     x, w, sizes = gemm_inputs(rng, shape, pattern, dtype)
     got = ops.group_gemm(x, w, sizes, tile_m=256)
     assert got.shape == (m, n) and got.dtype == dtype
-    assert_close(got, _np_group_gemm(x, w, sizes), dtype, f"sizes={sizes}")
+    assert_close(got, oracle.group_gemm(x, w, sizes), dtype, f"sizes={sizes}")
     assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
 
 
@@ -290,7 +279,7 @@ def test_group_gemm_gather_sm90(rng, shape, tail, dtype):
         s[np.flatnonzero(s)[-1]] = 0
         sizes = jnp.asarray(s)
     got = ops.group_gemm_gather(x, w, sizes, d2s, topk, tile_m=256)
-    want = _np_group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
+    want = oracle.group_gemm(ref.moe_expand_input(x, d2s, topk=topk), w, sizes)
     assert got.shape == (tokens * topk, n) and got.dtype == dtype
     assert_close(got, want, dtype, f"gather, tile_m=256, sizes={sizes}")
     assert np.all(np.asarray(got)[int(sizes.sum()):].astype(np.float32) == 0)
