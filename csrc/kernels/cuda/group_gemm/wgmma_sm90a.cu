@@ -10,10 +10,10 @@
 //    producer warpgroup: thread 0 loads each stage's weight tile (w[e] rows
 //    n0..n0+255, a 3-D tensor map (k, n, e): zero past n and k) and, without
 //    a gather, the two 64-row halves of x (2-D map: zero past m and k); with
-//    a gather, thread r copies row r of the tile with cp.async (zero past the
-//    expert's rows, for an invalid entry and past k), 128-byte swizzled as
-//    the TMA would have, and its copies arrive on the stage's barrier as they
-//    land.
+//    a gather, the four producer warps copy the tile's rows with cp.async,
+//    4 whole rows a warp instruction (zero past the expert's rows, for an
+//    invalid entry and past k), 128-byte swizzled as the TMA would have, and
+//    each thread's copies arrive on the stage's barrier as they land.
 //  * Two consumer warpgroups, rows 0-63 and 64-127: per stage four
 //    m64n256k16 wgmma on the shared weight tile; a warpgroup whose 64 rows
 //    are all past the expert's end only frees the stages. Stages are freed
@@ -159,6 +159,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __shared__ uint64_t full[kWgStages], empty[kWgStages];
   __shared__ uint64_t tile_full[2], tile_empty[2];  // the tile-id ring, producer -> consumers
   __shared__ int64_t s_tile[2];
+  __shared__ int32_t s_src[kWgBM];  // with a gather: the token row of each row of the tile, or -1
+  __shared__ int32_t s_tinfo[3];     // the producer's tile: expert, n0, row0
   __shared__ PersistSchedule sch;
   __shared__ int64_t s_sums[kWgThreads / 32];
   __shared__ __align__(16) unsigned char s_out[2][64 * kOutPitch];  // the epilogue's staging
@@ -212,13 +214,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     PdlWait();  // x may be the previous kernel's output
     if (!kGather && tid != 0) return;
-    // Gather: this thread's row of the tile, 128-byte swizzled (16-byte chunk c
-    // of row r at chunk c ^ (r % 8)), the halves 8 KB apart. Each thread's
-    // copies arrive on the stage's barrier as they land
-    // (cp.async.mbarrier.arrive.noinc), so no thread waits for its copies and
-    // the weight tiles stream ahead as far as the ring allows; waiting for
-    // the copies in the producer held the stream to about 3 TB/s on an H200.
-    const int a_off = (tid >> 6) * kWgAHalf + (tid & 63) * 128, swz = tid & 7;
+    // Gather: each warp copies 32 rows of the tile, 4 whole 128-byte rows an
+    // instruction (lane l: row 4 i + l / 8 of the warp's, 16-byte chunk
+    // l % 8; a copy a lane per row would touch 32 lines an instruction),
+    // 128-byte swizzled (chunk c of row r at chunk c ^ (r % 8)), the halves
+    // 8 KB apart. Each thread's copies arrive on the stage's barrier as they
+    // land (cp.async.mbarrier.arrive.noinc), so no thread waits for its
+    // copies and the weight tiles stream ahead as far as the ring allows.
+    // The producer has 40 registers: the row indices and the tile's fields
+    // are read back from shared memory each step rather than held.
+    const int chunk = tid & 7, lrow = 32 * (tid >> 5) + ((tid & 31) >> 3);  // row 4 i + lrow
     for (int it = 0;; ++it) {
       // The next tile: this CTA's first, then one from the counter, or with
       // none a static stride. Thread 0 hands it to the consumers (ring of 2)
@@ -238,18 +243,26 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       int n0;
       const Tile tile = tile_of(id, &n0);
       const bool half = tile.row_lim - tile.row0 <= 64;
-      const int e = static_cast<int>(tile.expert), row0 = static_cast<int>(tile.row0);
-      const uint16_t* src = nullptr;
-      if (kGather && tile.row0 + tid < tile.row_lim) {
-        const int64_t xr = a.src.Row(tile.row0 + tid);
-        if (xr >= 0) src = x + xr * a.k;
+      if (tid == 0) {
+        s_tinfo[0] = static_cast<int>(tile.expert);
+        s_tinfo[1] = n0;
+        s_tinfo[2] = static_cast<int>(tile.row0);
       }
-      const bool copies = !(half && tid >= 64);
+      if constexpr (kGather) {  // the tile's token rows (every thread is past the last tile's)
+        const int64_t r = tile.row0 + tid;
+        s_src[tid] = r < tile.row_lim ? static_cast<int32_t>(a.src.Row(r)) : -1;
+      }
+      if constexpr (kGather) asm volatile("bar.sync 3, 128;\n" ::: "memory");
+      const bool copies = !(half && tid >= 64);  // warps 2 and 3 hold rows 64-127
       for (int ks = 0; ks < ksteps; ++ks) {
         const int k0 = ks * kWgBK;
         MbarWait(&empty[stage], phase ^ 1u);  // the first round passes: the ring starts empty
         unsigned char* st = ring + stage * kWgStageBytes;
         if (tid == 0) {
+          int e, n0, row0;
+          asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
+                       : "=r"(e), "=r"(n0) : "r"(SmemAddr(&s_tinfo[0])));
+          asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(row0) : "r"(SmemAddr(&s_tinfo[2])));
           MbarArriveExpectTx(&full[stage],
                              kWgBBytes + (kGather ? 0 : (half ? kWgAHalf : kWgABytes)));
           if constexpr (kAct >= 0) {  // w as (k, n / 2, 2, e): gate rows, then their up rows
@@ -265,10 +278,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         }
         if (kGather) {
           if (copies) {
+            const int kc = k0 + 8 * chunk;  // k % 8 == 0: whole chunks
+            int32_t xrs[8];
 #pragma unroll
-            for (int c = 0; c < 8; ++c) {
-              const bool in = src != nullptr && k0 + 8 * c < a.k;  // k % 8 == 0: whole chunks
-              CpAsync16Zfill(st + a_off + ((c ^ swz) << 4), in ? src + k0 + 8 * c : x, in ? 16 : 0);
+            for (int i = 0; i < 8; ++i)
+              asm volatile("ld.shared.s32 %0, [%1];\n"
+                           : "=r"(xrs[i]) : "r"(SmemAddr(&s_src[lrow + 4 * i])));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const int r = lrow + 4 * i;
+              const bool in = xrs[i] >= 0 && kc < a.k;
+              CpAsync16Zfill(st + (r >> 6) * kWgAHalf + (r & 63) * 128 + ((chunk ^ (r & 7)) << 4),
+                             in ? x + static_cast<int64_t>(xrs[i]) * a.k + kc : x, in ? 16 : 0);
             }
           }
           CpAsyncArriveNoinc(&full[stage]);  // every thread, with or without copies
