@@ -30,7 +30,10 @@
 //  * The epilogue goes through shared memory, 64 columns at a time, and
 //    stores 16 bytes a thread along the rows, predicated on the expert's rows
 //    and n. With an activation it multiplies 128 gate by the matching 128 up
-//    columns of w and stores act(g) * u (out has n / 2 columns).
+//    columns of w and stores act(g) * u (out has n / 2 columns); up to
+//    kDeferMaxK the warpgroup only parks g and u in shared memory and works
+//    the activation off a chunk a k step during its next tile, so the tensor
+//    cores do not wait for it.
 #include "kernels/cuda/group_gemm/wgmma_sm90a.h"
 
 #include <cuda.h>
@@ -60,8 +63,27 @@ constexpr int kWgAHalf = 64 * 128;        // bytes of 64 rows x 64 k (16-bit)
 constexpr int kWgABytes = 2 * kWgAHalf;
 constexpr int kWgBBytes = kWgBN * 128;
 constexpr int kWgStageBytes = kWgABytes + kWgBBytes;
-constexpr int kWgSmem = kWgStages * kWgStageBytes + 1024;  // + alignment slack (128B swizzle)
 constexpr int kOutPitch = 144;  // bytes a row of the epilogue's 64-column staging
+// The deferred activation (kDefer): a consumer warpgroup parks its finished
+// tile's gate and up columns (rounded to DT) in shared memory and works the
+// activation off during its next tile's main loop: 64 rows of 256 columns +
+// 16 bytes of pad. That staging leaves room for 3 stages, which costs more
+// than the hidden epilogue saves where K is large (the main loop's share
+// grows with K): up to kDeferMaxK the activation is deferred, above it
+// applied in the epilogue with 4 stages (benchmarks/kernels/wgmma_gemm_bench.cu:
+// K = 2048 and 4096 faster deferred, 7168 slower; docs/performance.md).
+constexpr int kStgPitch = 528;
+constexpr int kStgBytes = 64 * kStgPitch;
+constexpr int kActChunks = 64 * 128 / 8 / 128;  // 8 output columns a chunk, a thread's chunks a tile
+constexpr int64_t kDeferMaxK = 4096;
+template <bool kDefer>
+constexpr int WgStages() {
+  return kDefer ? 3 : kWgStages;
+}
+template <bool kDefer>
+constexpr int WgSmem() {  // + alignment slack (128B swizzle)
+  return WgStages<kDefer>() * kWgStageBytes + 1024 + (kDefer ? 2 * kStgBytes : 0);
+}
 
 // The 128 f32 accumulator registers of one m64n256 wgmma, as asm text and as operands.
 #define JAX_MOE_WGMMA_D128 \
@@ -143,10 +165,10 @@ __device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
 }
 
 // kAct < 0: out = the product. kAct an Activation: the gated activation in
-// the epilogue, out (m, n / 2) = act(g) * u with g, u the product's columns
+// the epilogue (kDefer: worked off during the next tile's main loop), out (m, n / 2) = act(g) * u with g, u the product's columns
 // c and n / 2 + c rounded to DT (the bits of the GEMM then the activation
 // kernel); each tile then multiplies 128 gate and the same 128 up rows of w.
-template <DType DT, bool kGather, int kAct>
+template <DType DT, bool kGather, int kAct, bool kDefer>
 __global__ void __launch_bounds__(kWgThreads, 1)
     GroupGemmWgmmaKernel(const __grid_constant__ CUtensorMap amap,
                          const __grid_constant__ CUtensorMap bmap, const uint16_t* __restrict__ x,
@@ -154,6 +176,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                          GemmArgs a, int* __restrict__ counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kCols = kAct >= 0 ? kWgBN / 2 : kWgBN;  // columns of out a tile
+  static_assert(!kDefer || kAct >= 0, "only the activation is deferred");
+  constexpr int kStages = WgStages<kDefer>();
   extern __shared__ unsigned char smem_raw[];
   unsigned char* ring = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
   __shared__ uint64_t full[kWgStages], empty[kWgStages];
@@ -163,11 +187,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __shared__ int32_t s_tinfo[3];     // the producer's tile: expert, n0, row0
   __shared__ PersistSchedule sch;
   __shared__ int64_t s_sums[kWgThreads / 32];
-  __shared__ __align__(16) unsigned char s_out[2][64 * kOutPitch];  // the epilogue's staging
+  // The plain epilogue's staging (the activation's is in the dynamic ring's tail).
+  __shared__ __align__(16) unsigned char s_out[2][kDefer ? 16 : 64 * kOutPitch];
   PdlStart(a);
   ScanSchedule<kWgBM, kWgThreads / 32>(a, sizes, sch, s_sums);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kWgStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       MbarInit(&full[s], kGather ? 1 + 128 : 1);  // expect_tx (+ each producer thread's copies)
       MbarInit(&empty[s], 8);                    // each consumer warp
     }
@@ -188,7 +213,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   int stage = 0;
   unsigned phase = 0;
   auto advance = [&] {
-    if (++stage == kWgStages) {
+    if (++stage == kStages) {
       stage = 0;
       phase ^= 1u;
     }
@@ -309,6 +334,29 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     __syncwarp();
     if (lane == 0) MbarArrive(&empty[st]);
   };
+  // d[4j + q]: row 16 warp + lane / 4 (+ 8 for q >= 2), column 8 j + 2 (lane % 4) + q % 2.
+  const int rr = 16 * warp + (lane >> 2), cc = 4 * (lane & 3);
+  // With the activation: the staged tile whose outputs are still owed (rows
+  // p_row0.. of the warpgroup, below p_lim; columns p_n0..), and how many of
+  // this thread's chunks of it are done. A chunk: one row's 8 gate and 8 up
+  // columns in, act(g) * u's 8 columns (16 bytes) out.
+  unsigned char* stg = ring + kStages * kWgStageBytes + cw * kStgBytes;
+  int64_t p_row0 = 0, p_lim = 0;
+  int p_n0 = 0, p_done = kActChunks;
+  auto act_chunk = [&] {
+    const int id = tid + 128 * p_done++, row = id >> 4, c8 = id & 15;
+    const int64_t r = p_row0 + row, c = p_n0 + 8 * c8;
+    if (r >= p_lim || c >= a.n) return;  // n % 8 == 0: the whole 16 bytes
+    float g[8], u[8];
+    Unpack<DT>(*reinterpret_cast<const uint4*>(stg + row * kStgPitch + 16 * c8), g);
+    Unpack<DT>(*reinterpret_cast<const uint4*>(stg + row * kStgPitch + 256 + 16 * c8), u);
+    uint4 v;
+    v.x = PackPair<DT>(Act<kAct>(g[0]) * u[0], Act<kAct>(g[1]) * u[1]);
+    v.y = PackPair<DT>(Act<kAct>(g[2]) * u[2], Act<kAct>(g[3]) * u[3]);
+    v.z = PackPair<DT>(Act<kAct>(g[4]) * u[4], Act<kAct>(g[5]) * u[5]);
+    v.w = PackPair<DT>(Act<kAct>(g[6]) * u[6], Act<kAct>(g[7]) * u[7]);
+    *reinterpret_cast<uint4*>(out + r * a.n + c) = v;
+  };
   for (int it = 0;; ++it) {
     const int slot = it & 1;
     MbarWait(&tile_full[slot], (it >> 1) & 1);
@@ -340,6 +388,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         for (int kk = 0; kk < 4; ++kk)  // 16 k = 32 bytes along the swizzled row
           Wgmma64x256<DT>(d, da + 2 * kk, db + 2 * kk, (ks > 0 || kk > 0) ? 1 : 0);
         WgmmaCommit();
+      }
+      // The previous tile's activation, a chunk a step, while the tensor cores run.
+      if constexpr (kDefer) {
+        if (p_done < kActChunks) act_chunk();
+      }
+      if (active) {
         WgmmaWait<1>(d);  // the step before this one is done: free its stage
         if (ks > 0) release(prev);
       } else {
@@ -351,42 +405,63 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (!active) continue;
     WgmmaWait<0>(d);
     release(prev);
-    // d[4j + q]: row 16 warp + lane / 4 (+ 8 for q >= 2), column 8 j + 2 (lane % 4) + q % 2.
-    // pair(j, h): out's columns 8 j + 2 (lane % 4) and the next of that row (+ 8 h).
-    auto pair = [&](int j, int h) -> uint32_t {
-      const int q = 4 * j + 2 * h;
-      if constexpr (kAct >= 0) {  // j < 16: d[q] the gate of column c, d[q + 64] its up
-        return PackPair<DT>(Act<kAct>(Round<DT>(d[q])) * Round<DT>(d[q + 64]),
-                            Act<kAct>(Round<DT>(d[q + 1])) * Round<DT>(d[q + 65]));
-      } else {
-        return PackPair<DT>(d[q], d[q + 1]);
-      }
-    };
-    // Through shared memory, 64 columns at a time: the warpgroup's 64 rows
-    // of them (rows 144 bytes apart: the pair writes hit 32 banks), then
-    // 16-byte stores along each row.
-    unsigned char* buf = s_out[cw];
-    const int rr = 16 * warp + (lane >> 2), cc = 4 * (lane & 3);
     const int64_t wrow0 = tile.row0 + 64 * cw;
-#pragma unroll
-    for (int ch = 0; ch < kCols / 64; ++ch) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        *reinterpret_cast<uint32_t*>(buf + rr * kOutPitch + 16 * jj + cc) = pair(8 * ch + jj, 0);
-        *reinterpret_cast<uint32_t*>(buf + (rr + 8) * kOutPitch + 16 * jj + cc) =
-            pair(8 * ch + jj, 1);
-      }
+    if constexpr (kDefer) {
+      // Finish the staged tile, then park this one's gate and up columns
+      // rounded to DT (the bits the GEMM then the activation kernel see):
+      // rows 528 bytes apart, so a warp's pair writes hit 32 banks.
+      while (p_done < kActChunks) act_chunk();
       asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int id = tid + 128 * i, row = id >> 3, c16 = id & 7;
-        const int64_t r = wrow0 + row, c = n0 + 64 * ch + 8 * c16;
-        if (r < tile.row_lim && c < a.n)  // n % 8 == 0: the whole 16 bytes
-          *reinterpret_cast<uint4*>(out + r * a.n + c) =
-              *reinterpret_cast<const uint4*>(buf + row * kOutPitch + 16 * c16);
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(stg + rr * kStgPitch + 16 * j + cc) =
+            PackPair<DT>(d[4 * j], d[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(stg + (rr + 8) * kStgPitch + 16 * j + cc) =
+            PackPair<DT>(d[4 * j + 2], d[4 * j + 3]);
       }
       asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+      p_row0 = wrow0;
+      p_lim = tile.row_lim;
+      p_n0 = n0;
+      p_done = 0;
+    } else {
+      // Through shared memory, 64 columns at a time: the warpgroup's 64 rows
+      // of them (rows 144 bytes apart: the pair writes hit 32 banks), then
+      // 16-byte stores along each row.
+      // pair(j, h): out's columns 8 j + 2 (lane % 4) and the next of that row (+ 8 h).
+      auto pair = [&](int j, int h) -> uint32_t {
+        const int q = 4 * j + 2 * h;
+        if constexpr (kAct >= 0) {  // j < 16: d[q] the gate of column c, d[q + 64] its up
+          return PackPair<DT>(Act<kAct>(Round<DT>(d[q])) * Round<DT>(d[q + 64]),
+                              Act<kAct>(Round<DT>(d[q + 1])) * Round<DT>(d[q + 65]));
+        } else {
+          return PackPair<DT>(d[q], d[q + 1]);
+        }
+      };
+      unsigned char* buf = s_out[cw];
+#pragma unroll
+      for (int ch = 0; ch < kCols / 64; ++ch) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          *reinterpret_cast<uint32_t*>(buf + rr * kOutPitch + 16 * jj + cc) = pair(8 * ch + jj, 0);
+          *reinterpret_cast<uint32_t*>(buf + (rr + 8) * kOutPitch + 16 * jj + cc) =
+              pair(8 * ch + jj, 1);
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int id = tid + 128 * i, row = id >> 3, c16 = id & 7;
+          const int64_t r = wrow0 + row, c = n0 + 64 * ch + 8 * c16;
+          if (r < tile.row_lim && c < a.n)  // n % 8 == 0: the whole 16 bytes
+            *reinterpret_cast<uint4*>(out + r * a.n + c) =
+                *reinterpret_cast<const uint4*>(buf + row * kOutPitch + 16 * c16);
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+      }
     }
+  }
+  if constexpr (kDefer) {
+    while (p_done < kActChunks) act_chunk();
   }
   // Rows [P_E, m): zero. A CTA without real tiles never waited for the
   // previous kernel, which may still read out.
@@ -397,11 +472,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #endif
 }
 
-template <DType DT, bool kGather, int kAct>
+template <DType DT, bool kGather, int kAct, bool kDefer = false>
 cudaError_t LaunchWgmma(const WgmmaGemmCall& c, bool* ran) {
-  constexpr auto kernel = GroupGemmWgmmaKernel<DT, kGather, kAct>;
+  constexpr auto kernel = GroupGemmWgmmaKernel<DT, kGather, kAct, kDefer>;
   constexpr int kCols = kAct >= 0 ? kWgBN / 2 : kWgBN;
-  const cudaError_t attr = EnsureDynamicSmem<kernel>(kWgSmem);
+  const cudaError_t attr = EnsureDynamicSmem<kernel>(WgSmem<kDefer>());
   if (attr != cudaSuccess) {
     cudaGetLastError();
     return cudaSuccess;  // the kernel does not load here: fall back
@@ -456,7 +531,7 @@ cudaError_t LaunchWgmma(const WgmmaGemmCall& c, bool* ran) {
     if (err != cudaSuccess) return err;
   }
   *ran = true;
-  return LaunchKernel(kernel, grid, kWgThreads, kWgSmem, c.stream, c.pdl, amap, bmap,
+  return LaunchKernel(kernel, grid, kWgThreads, WgSmem<kDefer>(), c.stream, c.pdl, amap, bmap,
                       static_cast<const uint16_t*>(c.x), c.sizes, static_cast<uint16_t*>(c.out),
                       a, c.counter);
 }
@@ -466,13 +541,17 @@ cudaError_t DispatchWgmma(const WgmmaGemmCall& c, bool* ran) {
   if (c.act < 0)
     return c.rows != nullptr ? LaunchWgmma<DT, true, -1>(c, ran)
                              : LaunchWgmma<DT, false, -1>(c, ran);
+  const bool defer = c.k <= kDeferMaxK;
   switch (c.act) {  // the gated activation: with a gather only (the layer's w13 GEMM)
     case kSilu:
-      return LaunchWgmma<DT, true, kSilu>(c, ran);
+      return defer ? LaunchWgmma<DT, true, kSilu, true>(c, ran)
+                   : LaunchWgmma<DT, true, kSilu>(c, ran);
     case kGeluExact:
-      return LaunchWgmma<DT, true, kGeluExact>(c, ran);
+      return defer ? LaunchWgmma<DT, true, kGeluExact, true>(c, ran)
+                   : LaunchWgmma<DT, true, kGeluExact>(c, ran);
     case kGeluTanh:
-      return LaunchWgmma<DT, true, kGeluTanh>(c, ran);
+      return defer ? LaunchWgmma<DT, true, kGeluTanh, true>(c, ran)
+                   : LaunchWgmma<DT, true, kGeluTanh>(c, ran);
     default:
       return cudaSuccess;
   }
