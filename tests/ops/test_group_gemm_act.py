@@ -98,3 +98,17 @@ def test_group_gemm_act_cuda_vs_cpu(rng, dtype):
     got = _group_gemm_act_call(x, w13, sizes, d2s, topk, "silu")
     assert_close(got, on_cpu(_group_gemm_act_call, x, w13, sizes, d2s, topk, "silu"), dtype,
                  "CUDA vs CPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [4096, 4104], ids=["deferred", "epilogue"])
+def test_group_gemm_act_defer_switch(rng, hidden):
+    # Up to K = 4096 a warpgroup works its tile's activation off during its
+    # next tile's main loop, above it in the epilogue. More tiles than SMs
+    # (64 experts of about 64 rows, 4 column tiles each: about 256 tiles, two
+    # warpgroups or one), so that warpgroups carry activations from tile to tile.
+    tokens, inter, experts, topk, dtype = 1024, 512, 64, 4, jnp.bfloat16
+    x = normal(rng, (tokens, hidden), dtype)
+    w13, _ = mlp_weights(rng, experts, hidden, inter, dtype)
+    d2s, sizes = gather_rows(rng, tokens, topk, experts)
+    check(x, w13, sizes, d2s, topk, "silu", dtype, f"K={hidden}")
