@@ -165,9 +165,10 @@ __device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
 }
 
 // kAct < 0: out = the product. kAct an Activation: the gated activation in
-// the epilogue (kDefer: worked off during the next tile's main loop), out (m, n / 2) = act(g) * u with g, u the product's columns
-// c and n / 2 + c rounded to DT (the bits of the GEMM then the activation
-// kernel); each tile then multiplies 128 gate and the same 128 up rows of w.
+// the epilogue (kDefer: worked off during the next tile's main loop), out
+// (m, n / 2) = act(g) * u with g, u the product's columns c and n / 2 + c
+// rounded to DT (the bits of the GEMM then the activation kernel); each tile
+// then multiplies 128 gate and the same 128 up rows of w.
 template <DType DT, bool kGather, int kAct, bool kDefer>
 __global__ void __launch_bounds__(kWgThreads, 1)
     GroupGemmWgmmaKernel(const __grid_constant__ CUtensorMap amap,
@@ -276,8 +277,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if constexpr (kGather) {  // the tile's token rows (every thread is past the last tile's)
         const int64_t r = tile.row0 + tid;
         s_src[tid] = r < tile.row_lim ? static_cast<int32_t>(a.src.Row(r)) : -1;
+        asm volatile("bar.sync 3, 128;\n" ::: "memory");
       }
-      if constexpr (kGather) asm volatile("bar.sync 3, 128;\n" ::: "memory");
       const bool copies = !(half && tid >= 64);  // warps 2 and 3 hold rows 64-127
       for (int ks = 0; ks < ksteps; ++ks) {
         const int k0 = ks * kWgBK;
@@ -536,22 +537,25 @@ cudaError_t LaunchWgmma(const WgmmaGemmCall& c, bool* ran) {
                       a, c.counter);
 }
 
+// The gated activation deferred to the next tile up to kDeferMaxK, else in the epilogue.
+template <DType DT, int kAct>
+cudaError_t LaunchWgmmaAct(const WgmmaGemmCall& c, bool* ran) {
+  return c.k <= kDeferMaxK ? LaunchWgmma<DT, true, kAct, true>(c, ran)
+                           : LaunchWgmma<DT, true, kAct>(c, ran);
+}
+
 template <DType DT>
 cudaError_t DispatchWgmma(const WgmmaGemmCall& c, bool* ran) {
   if (c.act < 0)
     return c.rows != nullptr ? LaunchWgmma<DT, true, -1>(c, ran)
                              : LaunchWgmma<DT, false, -1>(c, ran);
-  const bool defer = c.k <= kDeferMaxK;
   switch (c.act) {  // the gated activation: with a gather only (the layer's w13 GEMM)
     case kSilu:
-      return defer ? LaunchWgmma<DT, true, kSilu, true>(c, ran)
-                   : LaunchWgmma<DT, true, kSilu>(c, ran);
+      return LaunchWgmmaAct<DT, kSilu>(c, ran);
     case kGeluExact:
-      return defer ? LaunchWgmma<DT, true, kGeluExact, true>(c, ran)
-                   : LaunchWgmma<DT, true, kGeluExact>(c, ran);
+      return LaunchWgmmaAct<DT, kGeluExact>(c, ran);
     case kGeluTanh:
-      return defer ? LaunchWgmma<DT, true, kGeluTanh, true>(c, ran)
-                   : LaunchWgmma<DT, true, kGeluTanh>(c, ran);
+      return LaunchWgmmaAct<DT, kGeluTanh>(c, ran);
     default:
       return cudaSuccess;
   }
