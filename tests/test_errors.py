@@ -147,6 +147,8 @@ ROUTE_ERROR_CASES = [  # (id, kwargs, exception, match)
     ("bias_rank2", dict(topk=2, e_score_correction_bias=jnp.zeros((1, RE))), ValueError, "e_score_correction_bias"),
     ("bias_int", dict(topk=2, e_score_correction_bias=jnp.zeros(RE, jnp.int32)), TypeError, "e_score_correction_bias"),
     ("scale_none", dict(topk=2, routed_scaling_factor=None), TypeError, "routed_scaling_factor"),
+    ("scale_nan", dict(topk=2, routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor must be finite"),
+    ("scale_inf", dict(topk=2, routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),
     ("topk_too_big", dict(topk=RE + 1), ValueError, "topk"),
 ]
 
