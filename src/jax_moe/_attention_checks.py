@@ -44,7 +44,15 @@ def scale_value(scale, d: int) -> float:
         return float(1.0 / np.sqrt(d))
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a Python float (static) or None, got {scale!r}")
+    if not np.isfinite(scale):  # would make every output NaN
+        raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
+
+
+def causal_flag(causal) -> bool:
+    """causal as a bool: True or False only (a string such as "no" would
+    otherwise read as True and silently mask causally)."""
+    return _checks.static_bool(causal, "causal")
 
 
 def head_dim(d: int, name: str) -> None:

@@ -193,6 +193,7 @@ def prefill_path(q, k, v, cu_seqlens, *, causal=True, scale=None, implementation
     bf16/f16 with D <= 128 (multiple of 8) and XLA otherwise; "xla" / "cudnn"
     force an implementation ("cudnn" where unsupported raises, as in jax)."""
     _ac.prefill_args(q, k, v, cu_seqlens, scale)
+    _ac.causal_flag(causal)
     m = _ac.prefill_max_seqlen(q, cu_seqlens, max_seqlen)
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
@@ -247,6 +248,7 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None, implement
 
     See prefill_path for which implementation is used."""
     scale = _ac.prefill_args(q, k, v, cu_seqlens, scale)
+    causal = _ac.causal_flag(causal)
     path = prefill_path(q, k, v, cu_seqlens, causal=causal, implementation=implementation,
                         max_seqlen=max_seqlen)
     impl = path.removesuffix("_padded")

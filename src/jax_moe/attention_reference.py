@@ -98,6 +98,7 @@ def prefill_attention(q, k, v, cu_seqlens, *, causal=True, scale=None):
     the element's own position for v. cu_seqlens outside its contract (not
     starting at 0, decreasing, ending past N) make the whole output NaN."""
     scale = _ac.prefill_args(q, k, v, cu_seqlens, scale)
+    causal = _ac.causal_flag(causal)
     n, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

@@ -221,6 +221,8 @@ def test_write_kv_then_decode_is_dense_attention(rng, dtype, d, dv):
     ("len_cap", ValueError, "lengths must lie in"),
     ("len_neg", ValueError, "lengths must lie in"),
     ("scale", TypeError, "scale"),
+    ("scale_nan", ValueError, "scale must be finite"),
+    ("scale_inf", ValueError, "scale must be finite"),
     ("split_small", ValueError, "split_tokens must be a multiple of 64"),
     ("split_odd", ValueError, "split_tokens must be a multiple of 64"),
     ("split_big", ValueError, "split_tokens must be a multiple of 64"),
@@ -261,6 +263,8 @@ def test_decode_errors(case, exc, match):
         ln = jnp.asarray([-1, 1], jnp.int32)
     elif case == "scale":
         kw = {"scale": "big"}
+    elif case in ("scale_nan", "scale_inf"):
+        kw = {"scale": float(case[6:])}
     elif case.startswith("split_"):
         kw = {"split_tokens": {"split_small": 0, "split_odd": 96, "split_big": 4096,
                                "split_type": 64.0, "split_many": 64}[case]}

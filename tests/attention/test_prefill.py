@@ -12,7 +12,7 @@ import pytest
 from attention_cases import (MAX_SEQLEN_LAYOUTS, PREFILL_RTOL, packed_inputs, prefill_jit,
                              prefill_np, ref_prefill)
 from common import DTYPE_IDS, FLOAT_DTYPES, assert_close, assert_equal, normal
-from jax_moe import attention
+from jax_moe import attention, attention_reference
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
@@ -158,11 +158,16 @@ def test_prefill_max_seqlen_no_sequence():
     ("dtype", TypeError, "v"),
     ("cu_bad", ValueError, "cu_seqlens must start at 0"),
     ("cu_rank", ValueError, "cu_seqlens must have rank 1"),
+    ("scale_nan", ValueError, "scale must be finite"),
+    ("causal_str", TypeError, "causal must be True or False"),
+    ("causal_none", TypeError, "causal must be True or False"),
 ])
 def test_prefill_errors(case, exc, match):
     q = jnp.zeros((8, 4, 64))
     k = v = jnp.zeros((8, 2, 64))
     cu = jnp.asarray([0, 3, 8], jnp.int32)
+    kw = {"scale_nan": {"scale": float("nan")}, "causal_str": {"causal": "no"},
+          "causal_none": {"causal": None}}.get(case, {})
     if case == "heads":
         q = jnp.zeros((8, 3, 64))
     elif case == "kv_len":
@@ -174,7 +179,9 @@ def test_prefill_errors(case, exc, match):
     elif case == "cu_rank":
         cu = jnp.zeros((2, 2), jnp.int32)
     with pytest.raises(exc, match=match):
-        attention.prefill_attention(q, k, v, cu)
+        attention.prefill_attention(q, k, v, cu, **kw)
+    with pytest.raises(exc, match=match):
+        attention_reference.prefill_attention(q, k, v, cu, **kw)
 
 
 # ---- GPU: cuDNN with sequence lengths ---------------------------------------
