@@ -264,7 +264,7 @@ def test_decode_errors(case, exc, match):
     elif case == "scale":
         kw = {"scale": "big"}
     elif case in ("scale_nan", "scale_inf"):
-        kw = {"scale": float(case[6:])}
+        kw = {"scale": {"scale_nan": float("nan"), "scale_inf": float("inf")}[case]}
     elif case.startswith("split_"):
         kw = {"split_tokens": {"split_small": 0, "split_odd": 96, "split_big": 4096,
                                "split_type": 64.0, "split_many": 64}[case]}
