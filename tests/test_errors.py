@@ -212,6 +212,9 @@ def test_moe_config_rejects():
         jax_moe.MoEConfig(num_experts=4, topk=2, hidden_size=8, intermediate_size=4, hidden_act="relu")
     with pytest.raises(ValueError, match="hidden_size"):
         jax_moe.MoEConfig(num_experts=4, topk=2, hidden_size=0, intermediate_size=4)
+    with pytest.raises(ValueError, match="routed_scaling_factor must be finite"):
+        jax_moe.MoEConfig(num_experts=4, topk=2, hidden_size=8, intermediate_size=4,
+                          routed_scaling_factor=float("inf"))
     with pytest.raises(ValueError, match="backend"):
         jax_moe.MoELayer(jax_moe.MoEConfig(num_experts=4, topk=2, hidden_size=8, intermediate_size=4),
                          backend="cuda")
