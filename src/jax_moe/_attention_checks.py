@@ -39,14 +39,10 @@ def _concrete(x) -> bool:
 
 
 def scale_value(scale, d: int) -> float:
-    """The softmax scale: 1/sqrt(D) by default, else a static real number."""
+    """The softmax scale: 1/sqrt(D) by default, else a finite static real number."""
     if scale is None:
         return float(1.0 / np.sqrt(d))
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a Python float (static) or None, got {scale!r}")
-    if not np.isfinite(scale):  # would make every output NaN
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+    return _checks.static_float(scale, "scale")
 
 
 def causal_flag(causal) -> bool:

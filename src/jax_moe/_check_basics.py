@@ -5,6 +5,7 @@ Python values), so they cost nothing under jax.jit."""
 
 from __future__ import annotations
 
+import math
 import operator
 
 import jax.numpy as jnp
@@ -52,10 +53,13 @@ def static_int(value, name: str) -> int:
 
 
 def static_float(value, name: str) -> float:
-    """A Python or NumPy real number (a static argument), as a float."""
+    """A finite Python or NumPy real number (a static argument), as a float:
+    a NaN or infinite scale would turn every output into NaN or inf."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                          np.floating)):
         raise TypeError(f"{name} must be a Python float (a static argument), got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
     return float(value)
 
 

@@ -17,7 +17,6 @@ live here only (``DECODE_LIMITS``, read from the extension).
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 
 import jax
@@ -164,8 +163,6 @@ def _routing(experts: int, k: int, scoring_func, renormalize, num_expert_group, 
                 f"e_score_correction_bias must have num_experts={experts} entries, "
                 f"got {e_score_correction_bias.shape[0]}")
     scale = static_float(routed_scaling_factor, "routed_scaling_factor")
-    if not math.isfinite(scale):  # would turn every output into NaN or inf
-        raise ValueError(f"routed_scaling_factor must be finite, got {scale}")
     return Routing(topk=k, scoring_func=scoring_func,
                    renormalize=static_bool(renormalize, "renormalize"),
                    num_expert_group=groups, topk_group=tg, routed_scaling_factor=scale)
