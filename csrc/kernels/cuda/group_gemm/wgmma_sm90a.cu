@@ -17,8 +17,9 @@
 //  * Two consumer warpgroups, rows 0-63 and 64-127: per stage four
 //    m64n256k16 wgmma on the shared weight tile; a warpgroup whose 64 rows
 //    are all past the expert's end only frees the stages. Stages are freed
-//    one step behind (wgmma.wait_group 1). Each output is summed over all of
-//    k by one warpgroup in k order: bitwise reproducible run to run.
+//    one step behind (wgmma.wait_group 1), or with the deferred activation
+//    (3 stages) as soon as their wgmma is done. Each output is summed over
+//    all of k by one warpgroup in k order: bitwise reproducible run to run.
 //  * The schedule: every CTA scans expert_sizes into shared memory
 //    (ScanSchedule); tiles are numbered expert by expert, an expert's
 //    m-slots fastest (as CUTLASS's grouped scheduler along M). Each CTA takes its first tile by its index and
@@ -394,9 +395,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if constexpr (kDefer) {
         if (p_done < kActChunks) act_chunk();
       }
+      // With 3 stages (kDefer) a stage is freed as soon as its wgmma is
+      // done: the weights stream from DRAM, and a stage held one step longer
+      // is one load fewer in flight of 3. With 4, one step behind (freeing
+      // at once measured no faster there).
       if (active) {
-        WgmmaWait<1>(d);  // the step before this one is done: free its stage
-        if (ks > 0) release(prev);
+        if constexpr (kDefer) {
+          WgmmaWait<0>(d);
+          release(stage);
+        } else {
+          WgmmaWait<1>(d);
+          if (ks > 0) release(prev);
+        }
       } else {
         release(stage);
       }
@@ -404,8 +414,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       advance();
     }
     if (!active) continue;
-    WgmmaWait<0>(d);
-    release(prev);
+    if constexpr (!kDefer) {
+      WgmmaWait<0>(d);
+      release(prev);
+    }
     const int64_t wrow0 = tile.row0 + 64 * cw;
     if constexpr (kDefer) {
       // Finish the staged tile, then park this one's gate and up columns
