@@ -397,8 +397,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
       // With 3 stages (kDefer) a stage is freed as soon as its wgmma is
       // done: the weights stream from DRAM, and a stage held one step longer
-      // is one load fewer in flight of 3. With 4, one step behind (freeing
-      // at once measured no faster there).
+      // would leave 2 of the 3 loading. With 4, one step behind (freeing at
+      // once measured no faster there).
       if (active) {
         if constexpr (kDefer) {
           WgmmaWait<0>(d);
