@@ -26,11 +26,14 @@ def _weights(rng, experts, n, k):
 # tiles; and sizes that Hopper's TMA path takes (bf16, n % 8 == 0, k % 16
 # == 0) with neither n nor k a multiple of 128 and rows past the groups, in
 # its 64-row tiles (fewer than 128 rows an expert on average) and its
-# 128-row tiles; and on CUDA the decode form's (at most 2 rows an expert on
+# 128-row tiles (each expert's last 64 rows or fewer in a 64-row tile after
+# them: an expert of only those, one ending a row or 64 rows past a 128-row
+# tile, one 112 rows past); and on CUDA the decode form's (at most 2 rows an expert on
 # average, k % 16 == 0, any dtype): an empty expert and rows past the groups,
 # and one expert of twelve with all the rows (passes of 8, 8 and 4 rows).
 SHAPES = {"offgrid": (65, 65, 129, (20, 0, 45)), "tma": (150, 200, 272, (20, 0, 110)),
-          "tma_wide": (400, 136, 272, (150, 0, 240)), "skinny": (6, 200, 272, (3, 0, 2)),
+          "tma_wide": (400, 136, 272, (150, 0, 240)),
+          "tma_split": (530, 136, 272, (64, 0, 192, 129, 144)), "skinny": (6, 200, 272, (3, 0, 2)),
           "skinny_one": (20, 136, 400, (0, 20) + (0,) * 10)}
 
 
@@ -98,14 +101,15 @@ def test_kernels_match_the_twin(rng, name, dtype, shape):
     # against in test_fp8), whatever device the kernels run on.
     want = np.asarray(on_cpu(reference.group_gemm_fp8, x, w, ws, sizes), np.float64)
     assert got.shape == want.shape == (x.shape[0], w.shape[1])
+    rows = slice(None)
     if name == "nan_scale":
         # The twin's ragged_dot carries a NaN weight into other experts' rows
         # (0 x NaN); compare the NaN expert's rows (test below: the kernels
         # keep the others finite).
-        first = int(np.sum(np.maximum(np.asarray(sizes)[:2], 0)))  # expert 2's first row
-        got, want = got[first:], want[first:]
-    rerun = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)
-    rerun = rerun[x.shape[0] - got.shape[0]:]  # the rows compared above
+        owned = np.maximum(np.asarray(sizes), 0)
+        rows = slice(int(owned[:2].sum()), int(owned[:3].sum()))  # expert 2's
+        got, want = got[rows], want[rows]
+    rerun = np.asarray(jax.jit(ops.group_gemm_fp8)(x, w, ws, sizes), np.float64)[rows]
     # The same non-finite outputs (NaN where a NaN reaches, the same infinities).
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.where(np.isinf(got), got, 0), np.where(np.isinf(want), want, 0))
@@ -151,7 +155,7 @@ def test_lowers_to_its_custom_call(rng):
 
 
 @pytest.mark.parametrize("tile_m", [8, 64, 128])
-@pytest.mark.parametrize("shape", ["skinny", "tma", "tma_wide"])
+@pytest.mark.parametrize("shape", ["skinny", "tma", "tma_wide", "tma_split"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_every_tile_matches_the_twin(rng, tile_m, shape, dtype):
     # Each kernel forced whatever the rows per expert (on a GPU: 8 the decode

@@ -38,7 +38,8 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 
     weights streamed once into tensor cores; K a multiple of 16), 64 and 128
     CUTLASS's blockwise-scaled fp8 grouped GEMM in tiles of that many rows on
     Hopper for bf16 x (N a multiple of 8, K of 16; x quantised into the
-    scratch output first). Where the chosen kernel does not apply, CUTLASS's
+    scratch output first; with 128, each expert's last 64 rows or fewer in
+    64-row tiles). Where the chosen kernel does not apply, CUTLASS's
     with its own tile rule, then a portable SIMT kernel. The CPU has one
     kernel.
 

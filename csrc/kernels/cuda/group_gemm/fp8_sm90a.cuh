@@ -1,6 +1,7 @@
 // The Hopper fp8 grouped GEMM's implementation, a template over the CUTLASS
 // configuration (M tile, cluster, schedule); fp8_sm90a.cu instantiates the
-// one the library runs. A call is three launches, no host sync:
+// ones the library runs. A call is three launches (four with a tail
+// configuration), no host sync:
 //  1. a one-block set-up kernel writes each expert's problem (rows, n, k),
 //     pointers, strides and scale layouts (the shapes depend on expert_sizes,
 //     which live on the device);
@@ -14,12 +15,15 @@
 //     MN-major scales only) and zeroes the rows past the groups;
 //  3. CUTLASS's ptr-array blockwise-scaled fp8 kernel (TMA + wgmma, e4m3 x
 //     e4m3, f32 accumulation promoted per 128-channel block with both
-//     operands' scales).
+//     operands' scales);
+//  4. with a tail configuration, that kernel in smaller tiles on each
+//     expert's rows past the first's (Fp8HeadRows).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cub/block/block_scan.cuh>
 
@@ -94,14 +98,16 @@ struct Fp8Gemm {
 // 256-byte aligned base); `bytes` includes the slack for aligning the base.
 struct ScratchLayout {
   size_t row0, shapes, ptr_a, ptr_b, ptr_sfa, ptr_sfb, ptr_d, stride_a, stride_b, stride_d,
-      layout_sfa, layout_sfb, workspace, xq, sxa, swt;
+      layout_sfa, layout_sfb, workspace, tail_workspace, xq, sxa, swt;
   size_t bytes;
 };
 
-// `workspace_bytes`: the CUTLASS workspace of the configuration run.
+// `workspace_bytes`, `tail_workspace_bytes`: the CUTLASS workspaces of the
+// configurations run (the second 0 without a tail launch, whose problems
+// take the second half of each problem array).
 ScratchLayout MakeLayout(int64_t m, int64_t n, int64_t k, int64_t groups,
-                         size_t workspace_bytes) {
-  const size_t g = static_cast<size_t>(groups);
+                         size_t workspace_bytes, size_t tail_workspace_bytes) {
+  const size_t g = static_cast<size_t>(groups) * (tail_workspace_bytes > 0 ? 2 : 1);
   const size_t kb = static_cast<size_t>((k + kFp8Block - 1) / kFp8Block);
   const size_t nb = static_cast<size_t>((n + kFp8Block - 1) / kFp8Block);
   ScratchLayout l{};
@@ -111,7 +117,7 @@ ScratchLayout MakeLayout(int64_t m, int64_t n, int64_t k, int64_t groups,
     off = RoundUp(off + bytes, kScratchAlign);
     return at;
   };
-  l.row0 = take((g + 1) * sizeof(int64_t));
+  l.row0 = take((static_cast<size_t>(groups) + 1) * sizeof(int64_t));
   l.shapes = take(g * sizeof(ShapeMNK));
   l.ptr_a = take(g * sizeof(void*));
   l.ptr_b = take(g * sizeof(void*));
@@ -124,18 +130,28 @@ ScratchLayout MakeLayout(int64_t m, int64_t n, int64_t k, int64_t groups,
   l.layout_sfa = take(g * sizeof(LayoutSFA));
   l.layout_sfb = take(g * sizeof(LayoutSFB));
   l.workspace = take(workspace_bytes);
+  l.tail_workspace = take(tail_workspace_bytes);
   l.xq = take(static_cast<size_t>(m) * static_cast<size_t>(k));
   l.sxa = take(static_cast<size_t>(m) * kb * sizeof(float));
-  l.swt = take(g * nb * kb * sizeof(float));
+  l.swt = take(static_cast<size_t>(groups) * nb * kb * sizeof(float));
   l.bytes = off + kScratchAlign;
   return l;
+}
+
+// With a tail launch, the rows of an expert that the 128-row tiles take: all
+// but a last partial tile of at most 64 rows, which the tail's 64-row tiles
+// take (so a tile computes at most 64 rows that are not there).
+__host__ __device__ constexpr int64_t Fp8HeadRows(int64_t rows) {
+  return rows % 128 != 0 && rows % 128 <= 64 ? rows - rows % 128 : rows;
 }
 
 // One block: expert e gets rows [min(P_e, M), min(P_{e+1}, M)) (P: the prefix
 // sum of max(size, 0); ForEachExpertRows), as every grouped GEMM here;
 // row0[e] is its first row, row0[groups] = min(P_E, M) the first row past the
 // groups. Its x scales are the (k blocks, rows) M-major block at
-// sxa + row0[e] * k blocks.
+// sxa + row0[e] * k blocks. With `tail`, problem e is the expert's first
+// Fp8HeadRows rows and problem groups + e the rest, each with its own scale
+// block.
 __global__ void __launch_bounds__(kSetupThreads)
     Fp8SetupKernel(const int32_t* __restrict__ sizes, int64_t groups, int64_t m, int n, int k,
                    const Element* xq, const float* sxa, const Element* w, const float* swt,
@@ -143,26 +159,30 @@ __global__ void __launch_bounds__(kSetupThreads)
                    const float** ptr_sfa, const float** ptr_sfb, ElementD** ptr_d,
                    InternalStrideA* stride_a, InternalStrideB* stride_b,
                    InternalStrideD* stride_d, LayoutSFA* layout_sfa, LayoutSFB* layout_sfb,
-                   int64_t* row0) {
+                   int64_t* row0, bool tail) {
   __shared__ typename cub::BlockScan<int64_t, kSetupThreads>::TempStorage scan;
   const int kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
   const int64_t rows_total = ForEachExpertRows<kSetupThreads>(
       sizes, groups, m, scan, [&](int64_t e, int64_t start, int64_t end) {
-        if (e < groups) {
-          const int rows = static_cast<int>(end - start);
-          shapes[e] = ShapeMNK(rows, n, k);
-          ptr_a[e] = xq + start * k;
-          ptr_b[e] = w + e * static_cast<int64_t>(n) * k;
-          ptr_sfa[e] = sxa + start * kb;
-          ptr_sfb[e] = swt + e * static_cast<int64_t>(nb) * kb;
-          ptr_d[e] = d + start * n;
-          stride_a[e] = cutlass::make_cute_packed_stride(InternalStrideA{}, {rows, k, 1});
-          stride_b[e] = cutlass::make_cute_packed_stride(InternalStrideB{}, {n, k, 1});
-          stride_d[e] = cutlass::make_cute_packed_stride(InternalStrideD{}, {rows, n, 1});
-          row0[e] = start;
-          layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, 1));
-          layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
-        }
+        if (e >= groups) return;
+        // Problem p: rows [from, from + rows) of the call, expert e's weights.
+        auto problem = [&](int64_t p, int64_t from, int rows) {
+          shapes[p] = ShapeMNK(rows, n, k);
+          ptr_a[p] = xq + from * k;
+          ptr_b[p] = w + e * static_cast<int64_t>(n) * k;
+          ptr_sfa[p] = sxa + from * kb;
+          ptr_sfb[p] = swt + e * static_cast<int64_t>(nb) * kb;
+          ptr_d[p] = d + from * n;
+          stride_a[p] = cutlass::make_cute_packed_stride(InternalStrideA{}, {rows, k, 1});
+          stride_b[p] = cutlass::make_cute_packed_stride(InternalStrideB{}, {n, k, 1});
+          stride_d[p] = cutlass::make_cute_packed_stride(InternalStrideD{}, {rows, n, 1});
+          layout_sfa[p] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, 1));
+          layout_sfb[p] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
+        };
+        const int64_t head = tail ? Fp8HeadRows(end - start) : end - start;
+        problem(e, start, static_cast<int>(head));
+        if (tail) problem(groups + e, start + head, static_cast<int>(end - start - head));
+        row0[e] = start;
       });
   if (threadIdx.x == 0) row0[groups] = rows_total;
 }
@@ -181,7 +201,7 @@ __global__ void __launch_bounds__(kPrepThreads)
                   float* __restrict__ sxa, const float* __restrict__ w_scale,
                   float* __restrict__ swt, uint4* __restrict__ out,
                   const int64_t* __restrict__ row0, int64_t m, int64_t n, int64_t k,
-                  int64_t groups) {
+                  int64_t groups, bool tail) {
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
   const int64_t rows_total = row0[groups];
   const int lane = threadIdx.x & 31;
@@ -196,7 +216,12 @@ __global__ void __launch_bounds__(kPrepThreads)
       if (row0[mid] <= r) lo = mid;
       else hi = mid - 1;
     }
-    const int64_t start = row0[lo], rows = row0[lo + 1] - start;
+    int64_t start = row0[lo], rows = row0[lo + 1] - start;
+    if (tail) {  // the row's problem: the expert's head or its tail (Fp8SetupKernel)
+      const int64_t head = Fp8HeadRows(rows);
+      if (r - start < head) rows = head;
+      else start += head, rows -= head;
+    }
     // The row's source: row r of x, or with a gather the token row of entry r
     // (none: a zero row, whose codes and scale are those of zeros).
     const int64_t from = gather == nullptr ? r : ExpandSourceRow(gather[r], topk, limit);
@@ -242,9 +267,19 @@ __global__ void __launch_bounds__(kPrepThreads)
     out[rows_total * nv + i] = make_uint4(0, 0, 0, 0);
 }
 
-// GroupGemmFp8Sm90 (fp8_sm90a.h) on configuration G.
+// Host: the CUTLASS workspace of configuration G, 0 for void (no launch).
 template <typename G>
+size_t Fp8WorkspaceBytes(int64_t groups) {
+  if constexpr (std::is_void_v<G>) return 0;
+  else return WorkspaceBytes<G>(groups);
+}
+
+// GroupGemmFp8Sm90 (fp8_sm90a.h) on configuration G, or with a Tail
+// configuration, G on each expert's Fp8HeadRows rows and Tail on the rest,
+// launched after G.
+template <typename G, typename Tail = void>
 cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
+  constexpr bool kTail = !std::is_void_v<Tail>;
   *ran = false;
   if (c.m <= 0 || c.m > kInt32Max || c.n <= 0 || c.n > kInt32Max || c.k <= 0 ||
       c.k > kInt32Max || c.groups <= 0 || c.groups > kInt32Max || c.n % 8 != 0 ||
@@ -254,7 +289,8 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   int dev = 0, sms = 0;
   if (!UsableDevice(reinterpret_cast<const void*>(Fp8PrepKernel), &dev, &sms))
     return cudaSuccess;
-  const ScratchLayout l = MakeLayout(c.m, c.n, c.k, c.groups, WorkspaceBytes<G>(c.groups));
+  const ScratchLayout l = MakeLayout(c.m, c.n, c.k, c.groups, WorkspaceBytes<G>(c.groups),
+                                    Fp8WorkspaceBytes<Tail>(c.groups));
   char* base = reinterpret_cast<char*>(
       RoundUp(reinterpret_cast<uintptr_t>(c.scratch), kScratchAlign));
   if (c.scratch == nullptr || base + (l.bytes - kScratchAlign) >
@@ -276,23 +312,32 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   auto* sxa = reinterpret_cast<float*>(base + l.sxa);
   auto* swt = reinterpret_cast<float*>(base + l.swt);
 
+  // Sets `gemm` up for problems [p0, p0 + groups) of the arrays.
+  auto init = [&](auto& gemm, int64_t p0, size_t workspace, size_t workspace_bytes) {
+    using Args = typename std::remove_reference_t<decltype(gemm)>::Arguments;
+    return InitGrouped(gemm, c.groups, shapes + p0, ptr_a + p0, stride_a + p0, ptr_b + p0,
+                       stride_b + p0, ptr_d + p0, stride_d + p0, dev, sms, base + workspace,
+                       workspace_bytes, c.stream, [&](Args& args) {
+                         args.mainloop.ptr_SFA = ptr_sfa + p0;
+                         args.mainloop.layout_SFA = layout_sfa + p0;
+                         args.mainloop.ptr_SFB = ptr_sfb + p0;
+                         args.mainloop.layout_SFB = layout_sfb + p0;
+                       });
+  };
   typename G::Gemm gemm;
-  const bool ready = InitGrouped(
-      gemm, c.groups, shapes, ptr_a, stride_a, ptr_b, stride_b, ptr_d, stride_d, dev, sms,
-      base + l.workspace, l.xq - l.workspace, c.stream, [&](typename G::Gemm::Arguments& args) {
-        args.mainloop.ptr_SFA = ptr_sfa;
-        args.mainloop.layout_SFA = layout_sfa;
-        args.mainloop.ptr_SFB = ptr_sfb;
-        args.mainloop.layout_SFB = layout_sfb;
-      });
-  if (!ready) return cudaSuccess;
+  if (!init(gemm, 0, l.workspace, l.tail_workspace - l.workspace)) return cudaSuccess;
+  using TailGemm = typename cute::conditional_t<kTail, Tail, G>::Gemm;
+  TailGemm tail_gemm;
+  if constexpr (kTail) {
+    if (!init(tail_gemm, c.groups, l.tail_workspace, l.xq - l.tail_workspace)) return cudaSuccess;
+  }
 
   const int n = static_cast<int>(c.n), k = static_cast<int>(c.k);
   Fp8SetupKernel<<<1, kSetupThreads, 0, c.stream>>>(
       c.sizes, c.groups, c.m, n, k, reinterpret_cast<const Element*>(xq), sxa,
       reinterpret_cast<const Element*>(c.w), swt, static_cast<ElementD*>(c.out), shapes, ptr_a,
       ptr_b, ptr_sfa, ptr_sfb, ptr_d, stride_a, stride_b, stride_d, layout_sfa, layout_sfb,
-      row0);
+      row0, kTail);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   *ran = true;  // from here on, the call is ours (errors are reported, not retried)
@@ -303,10 +348,14 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   Fp8PrepKernel<<<prep_blocks, kPrepThreads, 0, c.stream>>>(
       static_cast<const uint16_t*>(c.x), c.rows, c.topk, c.x_rows * c.topk, xq, sxa, c.w_scale,
       swt, static_cast<uint4*>(c.out),
-      row0, c.m, c.n, c.k, c.groups);
+      row0, c.m, c.n, c.k, c.groups, kTail);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  return RunGemm(gemm, c.stream);
+  err = RunGemm(gemm, c.stream);
+  if constexpr (kTail) {
+    if (err == cudaSuccess) err = RunGemm(tail_gemm, c.stream);
+  }
+  return err;
 }
 
 }  // namespace
