@@ -27,10 +27,11 @@ def _weights(rng, experts, n, k):
 # == 0) with neither n nor k a multiple of 128 and rows past the groups, in
 # its 64-row tiles (fewer than 128 rows an expert on average) and its
 # 128-row tiles (each expert's last 64 rows or fewer in a 64-row tile after
-# them: an expert of only those, one ending a row or 64 rows past a 128-row
-# tile, one 112 rows past); and on CUDA the decode form's (at most 2 rows an expert on
-# average, k % 16 == 0, any dtype): an empty expert and rows past the groups,
-# and one expert of twelve with all the rows (passes of 8, 8 and 4 rows).
+# them: an expert of only 64 rows, experts ending 1, 16, 22 and 64 rows past
+# a whole 128-row tile, and 112 rows past, kept in 128-row tiles); and on
+# CUDA the decode form's (at most 2 rows an expert on average, k % 16 == 0,
+# any dtype): an empty expert and rows past the groups, and one expert of
+# twelve with all the rows (passes of 8, 8 and 4 rows).
 SHAPES = {"offgrid": (65, 65, 129, (20, 0, 45)), "tma": (150, 200, 272, (20, 0, 110)),
           "tma_wide": (400, 136, 272, (150, 0, 240)),
           "tma_split": (530, 136, 272, (64, 0, 192, 129, 144)), "skinny": (6, 200, 272, (3, 0, 2)),
