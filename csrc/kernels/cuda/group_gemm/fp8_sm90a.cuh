@@ -16,8 +16,9 @@
 //  3. CUTLASS's ptr-array blockwise-scaled fp8 kernel (TMA + wgmma, e4m3 x
 //     e4m3, f32 accumulation promoted per 128-channel block with both
 //     operands' scales);
-//  4. with a tail configuration, that kernel in smaller tiles on each
-//     expert's rows past the first's (Fp8HeadRows).
+//  4. with a tail configuration, that kernel in smaller tiles on the rows
+//     of each expert that the first launch leaves (Fp8HeadRows), a second
+//     problem an expert.
 #pragma once
 
 #include <cuda_runtime.h>
