@@ -20,8 +20,8 @@ cudaError_t GroupGemmFp8Sm90(const Sm90Fp8Call& c, bool* ran) {
 int64_t GroupGemmFp8Sm90ScratchBytes(int64_t m, int64_t n, int64_t k, int64_t groups) {
   if (m < 0 || n < 0 || k < 0 || groups < 1) return 0;
   const size_t wide = WorkspaceBytes<Fp8Wide>(groups), narrow = WorkspaceBytes<Fp8Narrow>(groups);
-  const size_t one = MakeLayout(m, n, k, groups, narrow, 0).bytes;
-  const size_t both = MakeLayout(m, n, k, groups, wide, narrow).bytes;
+  const size_t one = MakeLayout(m, n, k, groups, narrow, false, 0).bytes;
+  const size_t both = MakeLayout(m, n, k, groups, wide, true, narrow).bytes;
   return static_cast<int64_t>(one > both ? one : both);
 }
 

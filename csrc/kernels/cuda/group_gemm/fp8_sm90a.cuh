@@ -104,11 +104,11 @@ struct ScratchLayout {
 };
 
 // `workspace_bytes`, `tail_workspace_bytes`: the CUTLASS workspaces of the
-// configurations run (the second 0 without a tail launch, whose problems
-// take the second half of each problem array).
+// configurations run; with `tail`, a second launch whose problems take the
+// second half of each problem array.
 ScratchLayout MakeLayout(int64_t m, int64_t n, int64_t k, int64_t groups,
-                         size_t workspace_bytes, size_t tail_workspace_bytes) {
-  const size_t g = static_cast<size_t>(groups) * (tail_workspace_bytes > 0 ? 2 : 1);
+                         size_t workspace_bytes, bool tail, size_t tail_workspace_bytes) {
+  const size_t g = static_cast<size_t>(groups) * (tail ? 2 : 1);
   const size_t kb = static_cast<size_t>((k + kFp8Block - 1) / kFp8Block);
   const size_t nb = static_cast<size_t>((n + kFp8Block - 1) / kFp8Block);
   ScratchLayout l{};
@@ -291,7 +291,7 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   if (!UsableDevice(reinterpret_cast<const void*>(Fp8PrepKernel), &dev, &sms))
     return cudaSuccess;
   const ScratchLayout l = MakeLayout(c.m, c.n, c.k, c.groups, WorkspaceBytes<G>(c.groups),
-                                    Fp8WorkspaceBytes<Tail>(c.groups));
+                                    kTail, Fp8WorkspaceBytes<Tail>(c.groups));
   char* base = reinterpret_cast<char*>(
       RoundUp(reinterpret_cast<uintptr_t>(c.scratch), kScratchAlign));
   if (c.scratch == nullptr || base + (l.bytes - kScratchAlign) >
