@@ -9,6 +9,11 @@
 // decode form for at most 2 rows an expert on average, else CUTLASS's with
 // its own tile rule. Where the chosen kernel does not apply: CUTLASS's (own
 // rule), then the portable kernel (fp8_simt.cuh).
+// With an activation, x holds the previous GEMM's rows (M, 2K gated, else
+// (M, K)) and the Hopper path's prep kernel applies step 5 to each row as it
+// quantises it (the rounding of the activation kernel, so the bits of that
+// kernel then this GEMM); no other path takes it (an error there: Python
+// fuses only where the Hopper kernel runs).
 // The scratch output is the Hopper path's, unused elsewhere.
 #include <cstdint>
 
@@ -32,15 +37,25 @@ namespace {
 ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                              const ffi::Buffer<ffi::F32>& w_scale,
                              const ffi::Buffer<ffi::S32>& sizes, const ffi::Buffer<ffi::S32>& rows,
-                             bool gather, int64_t topk, const ffi::AnyBuffer& out, GemmDims* d) {
+                             bool gather, int64_t topk, int64_t activation, bool gated,
+                             const ffi::AnyBuffer& out, GemmDims* d) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = w_scale.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3)
     return InvalidArg("group_gemm_fp8: x must be (M, K), w (E, N, K) and w_scale rank 3");
   const int64_t m = gather ? static_cast<int64_t>(rows.element_count()) : xd[0];
-  *d = {m, xd[1], wd[0], wd[1], xd[0]};
-  if (wd[2] != d->k) return InvalidArg("group_gemm_fp8: K of x and w differ");
+  *d = {m, wd[2], wd[0], wd[1], xd[0]};
+  if (activation >= 0) {
+    if (activation > kGeluTanh) return InvalidArg("group_gemm_fp8: unknown activation code");
+    if (gather) return InvalidArg("group_gemm_fp8: an activation takes no gather");
+    if (xd[1] != (gated ? 2 : 1) * wd[2])
+      return InvalidArg("group_gemm_fp8: with an activation x must be (M, 2K) if gated, else (M, K)");
+  } else if (activation != -1) {
+    return InvalidArg("group_gemm_fp8: activation must be -1 or an activation code");
+  } else if (xd[1] != wd[2]) {
+    return InvalidArg("group_gemm_fp8: K of x and w differ");
+  }
   if (w.element_type() != ffi::DataType::F8E4M3FN)
     return InvalidArg("group_gemm_fp8: w must be float8_e4m3fn");
   const int64_t nb = (d->n + kFp8Block - 1) / kFp8Block, kb = (d->k + kFp8Block - 1) / kFp8Block;
@@ -66,13 +81,15 @@ ffi::Error CheckFp8TileM(int64_t tile_m) {
 ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
                            ffi::Buffer<ffi::S32> rows, bool gather, int64_t topk, int64_t tile_m,
-                           ffi::Result<ffi::AnyBuffer> out,
+                           int64_t activation, bool gated, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> /*scratch*/) {
   if (auto err = CheckFp8TileM(tile_m); err.failure()) return err;
   GemmDims d;
-  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, rows, gather, topk, *out, &d);
+  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, rows, gather, topk, activation,
+                                   gated, *out, &d);
       err.failure())
     return err;
+  if (activation >= 0) return InvalidArg("group_gemm_fp8: the fused activation is CUDA-only");
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() {
     GroupGemmFp8<DT>(PoolOf(pool), x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
                      w_scale.typed_data(), expert_sizes.typed_data(),
@@ -85,18 +102,20 @@ ffi::Error GroupGemmFp8Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> expert_sizes,
                             ffi::Buffer<ffi::S32> rows, bool gather, int64_t topk, int64_t tile_m,
-                            ffi::Result<ffi::AnyBuffer> out,
+                            int64_t activation, bool gated, ffi::Result<ffi::AnyBuffer> out,
                             [[maybe_unused]] ffi::Result<ffi::AnyBuffer> scratch) {
   if (auto err = CheckFp8TileM(tile_m); err.failure()) return err;
   GemmDims d;
-  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, rows, gather, topk, *out, &d);
+  if (auto err = CheckGroupGemmFp8(x, w, w_scale, expert_sizes, rows, gather, topk, activation,
+                                   gated, *out, &d);
       err.failure())
     return err;
+  const bool act = activation >= 0;
   const int32_t* row_src = gather ? rows.typed_data() : nullptr;
   return DispatchFloat(x.element_type(), "x", [&]<DType DT>() -> ffi::Error {
     if (d.m == 0 || d.n == 0) return ffi::Error::Success();  // nothing to write
     // A few rows an expert: the decode form streams the weights once.
-    if (tile_m == 0 || tile_m == 8) {
+    if (!act && (tile_m == 0 || tile_m == 8)) {
       bool ran_skinny = false;
       const cudaError_t skinny_err = LaunchGroupGemmFp8Skinny(
           stream, DT, x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
@@ -124,12 +143,18 @@ ffi::Error GroupGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
       call.scratch = scratch->untyped_data();
       call.scratch_bytes = scratch->size_bytes();
       call.tile_m = tile_m == 64 || tile_m == 128 ? static_cast<int>(tile_m) : 0;
+      call.activation = static_cast<int>(activation);
+      call.gated = gated;
       bool ran = false;
       const cudaError_t err = GroupGemmFp8Sm90(call, &ran);
       if (err != cudaSuccess) return CudaError(err, "group_gemm_fp8 (sm90) launch failed");
       if (ran) return ffi::Error::Success();
     }
 #endif
+    if (act)
+      return InvalidArg(
+          "group_gemm_fp8: the fused activation needs the Hopper kernel (a compute capability "
+          "9.0 device, bf16 x, N a multiple of 8, K of 16), which does not apply to this call");
     return CudaError(
         LaunchGroupGemmFp8For(stream, DT, x.untyped_data(),
                               static_cast<const uint8_t*>(w.untyped_data()), w_scale.typed_data(),

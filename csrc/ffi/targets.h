@@ -324,6 +324,8 @@ auto GroupGemmFp8Signature(Bound bound) {
       .template Attr<bool>("gather")
       .template Attr<int64_t>("topk")
       .template Attr<int64_t>("tile_m")     // 8 decode form, 64 / 128 Hopper tiles, 0 the rule
+      .template Attr<int64_t>("activation") // -1, or step 5 on x's rows first (Hopper only)
+      .template Attr<bool>("gated")         // with an activation: x (M, 2K), act(gate) * up
       .template Ret<xla::ffi::AnyBuffer>()  // out (M, N), x's dtype
       .template Ret<xla::ffi::AnyBuffer>();  // scratch (u8; the sm90 path's)
 }

@@ -71,8 +71,9 @@ class Steps:
     moe_layer: Callable
     # (hidden_states, router_logits, w13, w2, Routing) -> (1, H); within moe_decode's limits
     moe_decode: Callable
-    # (x, w float8_e4m3fn, w_scale, expert_sizes, rows=None, topk=1) -> (M, N): the
-    #  block-scaled fp8 grouped GEMM; with rows (dst_to_src), of x's expanded rows
+    # (x, w float8_e4m3fn, w_scale, expert_sizes, rows=None, topk=1, activation=None,
+    #  gated=True) -> (M, N): the block-scaled fp8 grouped GEMM; with rows (dst_to_src),
+    #  of x's expanded rows; with an activation name, of act(x) (step 5; no rows)
     group_gemm_fp8: Callable
 
 
@@ -101,9 +102,11 @@ def steps(name: str) -> Steps:
 def fp8_expert_mlp(steps: Steps, x, w13, w13_scale, w2, w2_scale, expert_sizes, dst_to_src,
                    topk: int, activation: str, is_gated: bool):
     """Steps 3-6 with block-scaled fp8 expert weights on one backend's steps:
-    the activation as for float weights, both GEMMs the fp8 grouped GEMM
-    (each row of their input quantised per 128 channels), the first on the
-    tokens' rows gathered by dst_to_src (no expanded copy of x)."""
+    both GEMMs the fp8 grouped GEMM (each row of their input quantised per
+    128 channels), the first on the tokens' rows gathered by dst_to_src (no
+    expanded copy of x), the second on the activation of the first's rows
+    (as for float weights), which the Hopper kernel applies as it quantises
+    them."""
     h = steps.group_gemm_fp8(x, w13, w13_scale, expert_sizes, rows=dst_to_src, topk=topk)
-    return steps.group_gemm_fp8(steps.activation(h, activation, is_gated), w2, w2_scale,
-                                expert_sizes)
+    return steps.group_gemm_fp8(h, w2, w2_scale, expert_sizes, activation=activation,
+                                gated=is_gated)

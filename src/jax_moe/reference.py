@@ -276,11 +276,15 @@ def _group_gemm(x, w, expert_sizes):
     return out.astype(x.dtype)
 
 
-def _group_gemm_fp8(x, w, w_scale, expert_sizes, rows=None, topk: int = 1):
-    """rows: dst_to_src (x: the tokens) or None. Differentiable in x as the
-    kernels' (ops.group_gemm_fp8); the expansion's transpose by autodiff."""
+def _group_gemm_fp8(x, w, w_scale, expert_sizes, rows=None, topk: int = 1,
+                    activation: str | None = None, gated: bool = True):
+    """rows: dst_to_src (x: the tokens) or None; activation: step 5 on x
+    first (the FFI steps' fused form). Differentiable in x as the kernels'
+    (ops.group_gemm_fp8); the expansion's transpose by autodiff."""
     if rows is not None:
         x = _expand(x, rows, topk)
+    if activation is not None:
+        x = _activation(x, activation, gated)
     return _fp8_rows(x, w, w_scale, expert_sizes)
 
 

@@ -12,6 +12,7 @@ from jax_moe import _checks, fp8, tuning
 from jax_moe._ffi import _ext
 from jax_moe._int32 import index_int32
 from jax_moe.ops._common import sds
+from jax_moe.ops.activation import _activation, activation_vjp
 from jax_moe.ops.expand import gather_transpose
 
 
@@ -54,47 +55,63 @@ def group_gemm_fp8(x, w, w_scale, expert_sizes, *, dst_to_src=None, topk: int = 
     return _group_gemm_fp8(x, w, w_scale, expert_sizes, tile, dst_to_src, k)
 
 
-def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None, rows=None, topk: int = 1):
+def _group_gemm_fp8(x, w, w_scale, expert_sizes, tile_m=None, rows=None, topk: int = 1,
+                    activation: str | None = None, gated: bool = True):
     """group_gemm_fp8 on checked arguments (tile_m None: tuned; rows:
-    dst_to_src or None)."""
+    dst_to_src or None). With `activation` (no rows), the GEMM of step 5's
+    output on x (the previous GEMM's rows, (M, 2K) when gated): where the
+    Hopper kernel runs, its prep kernel applies the activation to each row as
+    it quantises it (the activation kernel's rounding, so the same bits, and
+    no activation output written); elsewhere the activation op, then this
+    GEMM."""
     m = x.shape[0] if rows is None else rows.shape[0]
-    k = x.shape[1]
-    experts, n = w.shape[:2]
+    experts, n, k = w.shape
     tile = tuning.group_gemm_fp8_tile_m(m, experts, n, k, x.dtype, tile_m)
     # The Hopper path's group arrays, workspace and quantised x live in a
     # second output (a fixed address in a recorded CUDA graph, as
     # group_gemm's); empty wherever that kernel will not run.
     sm90 = (m > 0 and experts > 0 and not tuning.fp8_decode_runs(tile, experts, k)
             and tuning.fp8_sm90_usable(n, k, x.dtype))
+    # The handler takes an activation only onto that kernel, which runs
+    # wherever this holds (its size limits included).
+    if activation is not None and not (sm90 and rows is None and m * -(-k // 128) < 2**31):
+        x, activation = _activation(x, activation, gated), None
     scratch = _ext.group_gemm_fp8_sm90_scratch_bytes(m, n, k, experts) if sm90 else 0
     gather = rows is not None
     rows = index_int32(rows) if gather else jnp.zeros((0,), jnp.int32)
     return _fp8_call(x, w, w_scale, index_int32(expert_sizes), rows,
-                     (m, n, scratch, x.shape[0]), gather, topk, tile)
+                     (m, n, scratch, x.shape[0]), gather, topk, tile, activation, gated)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fp8_call(x, w, w_scale, expert_sizes, rows, shapes, gather: bool, topk: int, tile: int):
-    """The custom call, differentiable in x (group_gemm_fp8's docstring)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _fp8_call(x, w, w_scale, expert_sizes, rows, shapes, gather: bool, topk: int, tile: int,
+              activation: str | None, gated: bool):
+    """The custom call, differentiable in x (group_gemm_fp8's docstring;
+    with an activation, through it)."""
     m, n, scratch, _ = shapes  # and the rows of x
     call = jax.ffi.ffi_call("jax_moe_group_gemm_fp8",
                             (sds((m, n), x.dtype), sds((scratch,), jnp.uint8)),
                             vmap_method="sequential")
+    code = -1 if activation is None else _checks.ACTIVATIONS[activation]
     out, _ = call(x, w, w_scale, expert_sizes, rows, gather=gather, topk=np.int64(topk),
-                  tile_m=np.int64(tile))
+                  tile_m=np.int64(tile), activation=np.int64(code), gated=bool(gated))
     return out
 
 
-def _fp8_call_fwd(x, w, w_scale, expert_sizes, rows, shapes, gather, topk, tile):
+def _fp8_call_fwd(x, w, w_scale, expert_sizes, rows, shapes, gather, topk, tile, activation,
+                  gated):
     fp8.refuse_weight_gradients(w, w_scale)
     out = _fp8_call(x.value, w.value, w_scale.value, expert_sizes.value, rows.value, shapes,
-                    gather, topk, tile)
-    return out, (w.value, w_scale.value, expert_sizes.value, rows.value)
+                    gather, topk, tile, activation, gated)
+    h = x.value if activation is not None else None  # the activation's input, for its backward
+    return out, (w.value, w_scale.value, expert_sizes.value, rows.value, h)
 
 
-def _fp8_call_bwd(shapes, gather, topk, tile, res, g):
-    w, w_scale, expert_sizes, rows = res
+def _fp8_call_bwd(shapes, gather, topk, tile, activation, gated, res, g):
+    w, w_scale, expert_sizes, rows, h = res
     dx = _group_gemm_fp8(fp8.dense_cotangent(g), *fp8.transpose_blocks(w, w_scale), expert_sizes)
+    if activation is not None:
+        dx = activation_vjp(h, dx, activation, gated)
     if gather:
         dx = gather_transpose(dx, rows, topk, shapes[3])
     return dx, None, None, None, None

@@ -6,7 +6,8 @@
 //     pointers, strides and scale layouts (the shapes depend on expert_sizes,
 //     which live on the device);
 //  2. a prep kernel quantises x per row (gathered from the tokens' rows with
-//     a gather) and 128 channels into the scratch
+//     a gather; with an activation, act(gate) * up of x's row rounded to
+//     bf16, as the activation kernel) and 128 channels into the scratch
 //     (kernels/common/fp8_e4m3.h's rule: the same codes as the CPU kernel and
 //     the twin), each expert's scales M-major and packed ([block][row of the
 //     expert], from the expert's first row times the blocks on: CUTLASS
@@ -32,6 +33,7 @@
 
 #include "kernels/common/fp8_e4m3.h"
 #include "kernels/common/gemm_dims.h"
+#include "kernels/cuda/act_math.cuh"
 #include "kernels/cuda/group_gemm/expert_rows.cuh"
 #include "kernels/cuda/group_gemm/fp8_quant.cuh"
 #include "kernels/cuda/group_gemm/fp8_sm90a.h"
@@ -196,6 +198,10 @@ __global__ void __launch_bounds__(kSetupThreads)
 // amax, its codes in one 8-byte store, the scale at its place in its
 // expert's packed block. Then w_scale transposed and the rows
 // [row0[groups], m) of out zeroed (16-byte stores, n % 8 == 0).
+// kAct >= 0: x's rows are the previous GEMM's (gate, up) (kGated, pitch 2k)
+// or its rows (pitch k), and the quantised row is act(gate) * up, or act(x),
+// rounded to bf16: the activation kernel's arithmetic (act_math.cuh).
+template <int kAct, bool kGated>
 __global__ void __launch_bounds__(kPrepThreads)
     Fp8PrepKernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ gather,
                   int64_t topk, int64_t limit, uint8_t* __restrict__ xq,
@@ -203,7 +209,9 @@ __global__ void __launch_bounds__(kPrepThreads)
                   float* __restrict__ swt, uint4* __restrict__ out,
                   const int64_t* __restrict__ row0, int64_t m, int64_t n, int64_t k,
                   int64_t groups, bool tail) {
+  constexpr bool kUp = kAct >= 0 && kGated;  // a second load a pass: the up half
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, nb = (n + kFp8Block - 1) / kFp8Block;
+  const int64_t pitch = kUp ? 2 * k : k;  // x's row
   const int64_t rows_total = row0[groups];
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPrepThreads / 32);
@@ -226,18 +234,20 @@ __global__ void __launch_bounds__(kPrepThreads)
     // The row's source: row r of x, or with a gather the token row of entry r
     // (none: a zero row, whose codes and scale are those of zeros).
     const int64_t from = gather == nullptr ? r : ExpandSourceRow(gather[r], topk, limit);
-    const uint16_t* xr = x + (from >= 0 ? from : 0) * k;
+    const uint16_t* xr = x + (from >= 0 ? from : 0) * pitch;
     uint8_t* qr = xq + r * k;
     float* sr = sxa + start * kb + (r - start);  // + block * rows
     // kPrepPasses passes a step, their loads issued first: one 16-byte load
     // a lane at a time leaves too few bytes in flight to read at the copy rate.
     for (int64_t pass0 = 0; pass0 < kb; pass0 += 2 * kPrepPasses) {  // uniform: shuffles below
-      uint4 raw[kPrepPasses];
+      uint4 raw[kPrepPasses], up[kUp ? kPrepPasses : 1];
 #pragma unroll
       for (int p = 0; p < kPrepPasses; ++p) {
         const int64_t c0 = (pass0 + 2 * p) * kFp8Block + lane * 8;
-        raw[p] = c0 < k && from >= 0 ? *reinterpret_cast<const uint4*>(xr + c0)
-                                     : make_uint4(0, 0, 0, 0);
+        const bool in = c0 < k && from >= 0;
+        raw[p] = in ? *reinterpret_cast<const uint4*>(xr + c0) : make_uint4(0, 0, 0, 0);
+        if constexpr (kUp)
+          up[p] = in ? *reinterpret_cast<const uint4*>(xr + k + c0) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int p = 0; p < kPrepPasses; ++p) {
@@ -248,6 +258,23 @@ __global__ void __launch_bounds__(kPrepThreads)
         for (int j = 0; j < 4; ++j) {
           v[2 * j] = __uint_as_float(words[j] << 16);
           v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+        }
+        if constexpr (kAct >= 0) {  // zeros past k stay zero: act(0) = 0
+          float u[8];
+          if constexpr (kUp) {
+            const uint32_t uw[4] = {up[p].x, up[p].y, up[p].z, up[p].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              u[2 * j] = __uint_as_float(uw[j] << 16);
+              u[2 * j + 1] = __uint_as_float(uw[j] & 0xffff0000u);
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float a = Act<kAct>(v[j]);
+            if constexpr (kUp) a *= u[j];
+            v[j] = __bfloat162float(__float2bfloat16_rn(a));
+          }
         }
         const float scale = Fp8HalfWarpScale(v);  // every lane: a pass past k is all zeros
         if (c0 < k) {
@@ -266,6 +293,19 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t nv = n / 8;
   for (int64_t i = tid; i < (m - rows_total) * nv; i += threads)
     out[rows_total * nv + i] = make_uint4(0, 0, 0, 0);
+}
+
+// The prep kernel for an activation (-1: none) and its gating.
+using Fp8PrepFn = decltype(&Fp8PrepKernel<-1, false>);
+inline Fp8PrepFn Fp8PrepKernelFor(int activation, bool gated) {
+  switch (activation) {
+    case kSilu: return gated ? Fp8PrepKernel<kSilu, true> : Fp8PrepKernel<kSilu, false>;
+    case kGeluExact:
+      return gated ? Fp8PrepKernel<kGeluExact, true> : Fp8PrepKernel<kGeluExact, false>;
+    case kGeluTanh:
+      return gated ? Fp8PrepKernel<kGeluTanh, true> : Fp8PrepKernel<kGeluTanh, false>;
+    default: return Fp8PrepKernel<-1, false>;
+  }
 }
 
 // Host: the CUTLASS workspace of configuration G, 0 for void (no launch).
@@ -288,7 +328,7 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
       !Aligned16(c.x) || !Aligned16(c.w) || !Aligned16(c.out))
     return cudaSuccess;
   int dev = 0, sms = 0;
-  if (!UsableDevice(reinterpret_cast<const void*>(Fp8PrepKernel), &dev, &sms))
+  if (!UsableDevice(reinterpret_cast<const void*>(Fp8PrepKernel<-1, false>), &dev, &sms))
     return cudaSuccess;
   const ScratchLayout l = MakeLayout(c.m, c.n, c.k, c.groups, WorkspaceBytes<G>(c.groups),
                                     kTail, Fp8WorkspaceBytes<Tail>(c.groups));
@@ -346,7 +386,7 @@ cudaError_t RunFp8(const Sm90Fp8Call& c, bool* ran) {
   const int64_t want = (c.m + kPrepThreads / 32 - 1) / (kPrepThreads / 32);
   const int64_t cap = static_cast<int64_t>(sms) * 8;
   const unsigned prep_blocks = static_cast<unsigned>(want < sms ? sms : (want < cap ? want : cap));
-  Fp8PrepKernel<<<prep_blocks, kPrepThreads, 0, c.stream>>>(
+  Fp8PrepKernelFor(c.activation, c.gated)<<<prep_blocks, kPrepThreads, 0, c.stream>>>(
       static_cast<const uint16_t*>(c.x), c.rows, c.topk, c.x_rows * c.topk, xq, sxa, c.w_scale,
       swt, static_cast<uint4*>(c.out),
       row0, c.m, c.n, c.k, c.groups, kTail);

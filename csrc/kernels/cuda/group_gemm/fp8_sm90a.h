@@ -13,7 +13,9 @@ namespace jax_moe {
 // One group_gemm_fp8 call: out (m, n) bf16 = rows of x (m, k) bf16, quantised
 // per 128 channels, grouped by expert times the block-scaled e4m3 w[e]^T.
 // With a gather, row r of x is x[rows[r] / topk] (x (x_rows, k)), a zero row
-// outside [0, x_rows * topk).
+// outside [0, x_rows * topk). With an activation (no gather), row r is
+// act(x[r, :k]) * x[r, k:] rounded to bf16 (gated; x (m, 2k)) or act(x[r])
+// (x (m, k)), as the activation kernel computes it.
 struct Sm90Fp8Call {
   cudaStream_t stream;
   const void* x;          // (m, k) bf16, or (x_rows, k) with a gather
@@ -28,6 +30,8 @@ struct Sm90Fp8Call {
   void* scratch;          // the call's scratch output (device)
   size_t scratch_bytes;
   int tile_m;             // 64 or 128 rows a tile; 0: 64 where m < 128 * groups
+  int activation = -1;    // -1 none, else an Activation (kernels/common/numeric.h)
+  bool gated = false;     // with an activation: x's rows are (gate, up)
 };
 
 // Runs `c` on CUTLASS's sm90 blockwise-scaled fp8 grouped GEMM when it
