@@ -17,9 +17,10 @@ from jax_moe import fp8, ops, reference, tuning
 from jax_moe.ops._common import sds
 from jax_moe.ops.group_gemm_fp8 import _group_gemm_fp8
 
-# f32: the kernels' erf and tanh differ from XLA's by ulps, which can move an
-# e4m3 rounding of the activation's output (2^-4 of a value).
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+# f32: the kernels' expf, erff and tanhf differ from XLA's by ulps, which can
+# move an e4m3 rounding of the activation's output (up to 2^-4 of a value;
+# up to 6e-4 over a case on an H100).
+TOL = {jnp.float32: 2e-3, jnp.bfloat16: 1e-2}
 
 # (m, n, k, sizes, tile_m): Hopper's 64-row tiles, its 128-row tiles with
 # the 64-row tail launch (experts ending 1, 16 and 64 rows past a whole
