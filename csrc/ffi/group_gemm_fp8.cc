@@ -50,7 +50,8 @@ ffi::Error CheckGroupGemmFp8(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
     if (activation > kGeluTanh) return InvalidArg("group_gemm_fp8: unknown activation code");
     if (gather) return InvalidArg("group_gemm_fp8: an activation takes no gather");
     if (xd[1] != (gated ? 2 : 1) * wd[2])
-      return InvalidArg("group_gemm_fp8: with an activation x must be (M, 2K) if gated, else (M, K)");
+      return InvalidArg(
+          "group_gemm_fp8: with an activation x must be (M, 2K) if gated, else (M, K)");
   } else if (activation != -1) {
     return InvalidArg("group_gemm_fp8: activation must be -1 or an activation code");
   } else if (xd[1] != wd[2]) {
