@@ -251,6 +251,7 @@ __global__ void __launch_bounds__(kPrepThreads)
       }
 #pragma unroll
       for (int p = 0; p < kPrepPasses; ++p) {
+        if (pass0 + 2 * p >= kb) break;  // uniform: no work on a pass wholly past k
         const int64_t c0 = (pass0 + 2 * p) * kFp8Block + lane * 8;
         const uint32_t words[4] = {raw[p].x, raw[p].y, raw[p].z, raw[p].w};
         float v[8];
@@ -276,7 +277,7 @@ __global__ void __launch_bounds__(kPrepThreads)
             v[j] = __bfloat162float(__float2bfloat16_rn(a));
           }
         }
-        const float scale = Fp8HalfWarpScale(v);  // every lane: a pass past k is all zeros
+        const float scale = Fp8HalfWarpScale(v);  // every lane: a block past k is all zeros
         if (c0 < k) {
           *reinterpret_cast<uint2*>(qr + c0) = Fp8Codes8(v, 1.0f / scale);
           if ((lane & 15) == 0) sr[(c0 / kFp8Block) * rows] = scale;
