@@ -25,9 +25,9 @@ TOL = {jnp.float32: 2e-3, jnp.bfloat16: 1e-2}
 # (m, n, k, sizes, tile_m): Hopper's 64-row tiles; its 128-row tiles with
 # the 64-row tail launch (an expert of 64 rows, experts ending 64, 1 and 16
 # rows past a whole tile); the tile rule on K = 144 (a last scale block of
-# 16 channels, a warp's passes past K); rows past the groups in each; the
-# decode form's rows (at most 2 an expert); K not a multiple of 16 (the
-# portable kernel).
+# 16 channels, a warp's passes past K); rows past the groups (all but the
+# last); the decode form's rows (at most 2 an expert); K not a multiple of 16
+# (the portable kernel).
 SHAPES = {"tma": (150, 200, 272, (20, 0, 110), 64),
           "tma_split": (530, 136, 272, (64, 0, 192, 129, 144), 128),
           "tma_rule": (400, 136, 144, (150, 0, 240), None),
