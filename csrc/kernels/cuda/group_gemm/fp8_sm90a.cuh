@@ -253,23 +253,11 @@ __global__ void __launch_bounds__(kPrepThreads)
       for (int p = 0; p < kPrepPasses; ++p) {
         if (pass0 + 2 * p >= kb) break;  // uniform: no work on a pass wholly past k
         const int64_t c0 = (pass0 + 2 * p) * kFp8Block + lane * 8;
-        const uint32_t words[4] = {raw[p].x, raw[p].y, raw[p].z, raw[p].w};
         float v[8];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          v[2 * j] = __uint_as_float(words[j] << 16);
-          v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
-        }
+        Unpack<DType::BF16>(raw[p], v);
         if constexpr (kAct >= 0) {  // zeros past k stay zero: act(0) = 0
           float u[8];
-          if constexpr (kUp) {
-            const uint32_t uw[4] = {up[p].x, up[p].y, up[p].z, up[p].w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              u[2 * j] = __uint_as_float(uw[j] << 16);
-              u[2 * j + 1] = __uint_as_float(uw[j] & 0xffff0000u);
-            }
-          }
+          if constexpr (kUp) Unpack<DType::BF16>(up[p], u);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             float a = Act<kAct>(v[j]);
