@@ -187,7 +187,8 @@ def plot(rows, path):
         rs = [r for r in rows if r["shape"] == name]
         tok = [r["tokens"] for r in rs]
         ax.plot(tok, [r["ffi_us"] for r in rs], "o-", label="jax_moe")
-        ax.plot(tok, [r["reference_us"] for r in rs], "s-", label="pure JAX (ragged_dot)")
+        if any(r["reference_us"] is not None for r in rs):  # --ref-calls 0: no such line
+            ax.plot(tok, [r["reference_us"] for r in rs], "s-", label="pure JAX (ragged_dot)")
         ax.plot(tok, [r["floor_us"] for r in rs], "k--", label="hardware floor")
         ax.set_xscale("log")
         ax.set_yscale("log")
