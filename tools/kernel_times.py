@@ -86,6 +86,31 @@ def call_spans(events, calls: int) -> list | None:
     return [b - a for a, b in zip(starts, starts[1:] + [timeline(events)[1]])]
 
 
+def short_names(names, width: int = 100) -> dict:
+    """{name: label of at most about `width` characters}. A name longer than
+    that is cut to its first `width`, unless another name starts the same
+    (CUTLASS's mangled names share their first few hundred characters): then
+    its label is its head, "…", and the stretch where it first differs from
+    the others."""
+    names = list(names)
+    labels = {}
+    for name in names:
+        if len(name) <= width:
+            labels[name] = name
+            continue
+        rivals = [o for o in names if o != name and o[:width] == name[:width]]
+        if not rivals:
+            labels[name] = name[:width]
+            continue
+        # the first index where name differs from every rival
+        differ = max(next((i for i, (a, b) in enumerate(zip(name, o)) if a != b),
+                          min(len(name), len(o))) for o in rivals)
+        head = width * 2 // 5
+        start = max(head, differ - 10)
+        labels[name] = name[:head] + "…" + name[start:start + width - head - 1]
+    return labels
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,9 +161,10 @@ def main(argv=None) -> int:
     if spans is not None:
         print("call spans µs: " + " ".join(f"{us:.1f}" for us in spans))
     print(f"{'µs':>10}  {'calls':>6}  {'share':>6}  {'idle µs':>8}  kernel")
+    labels = short_names(total)
     for name, us in total.most_common():
         print(f"{us / args.calls:10.1f}  {count[name] / args.calls:5.1f}x  "
-              f"{100 * us / whole:5.1f}%  {idle[name] / args.calls:8.1f}  {name[:100]}")
+              f"{100 * us / whole:5.1f}%  {idle[name] / args.calls:8.1f}  {labels[name]}")
     return 0
 
 

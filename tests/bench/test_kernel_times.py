@@ -61,3 +61,16 @@ def test_call_spans(kt):
     assert kt.call_spans(events, 2) == [50.0, 65.0]
     assert kt.call_spans(events, 3) is None  # the first kernel does not run once a call
     assert kt.call_spans([], 1) is None
+
+
+def test_long_names_that_share_a_head_keep_where_they_differ(kt):
+    head = "_ZN7cutlass13device_kernel" + "x" * 200
+    wide, narrow = head + "Li128EE_Cooperative" + "y" * 50, head + "Li64EE_Pingpong" + "y" * 50
+    alone, short = "z" * 300, "copy"
+    labels = kt.short_names([wide, narrow, alone, short], width=100)
+    assert labels[short] == "copy"
+    assert labels[alone] == "z" * 100
+    assert labels[wide] != labels[narrow]
+    assert "Li128EE_Cooperative" in labels[wide] and "Li64EE_Pingpong" in labels[narrow]
+    assert labels[wide].startswith("_ZN7cutlass13device_kernel")
+    assert all(len(v) <= 100 for v in labels.values())
