@@ -87,7 +87,7 @@ def call_spans(events, calls: int) -> list | None:
 
 
 def short_names(names, width: int = 100) -> dict:
-    """{name: label of at most about `width` characters}. A name longer than
+    """{name: label of at most `width` characters}. A name longer than
     that is cut to its first `width`, unless another name starts the same
     (CUTLASS's mangled names share their first few hundred characters): then
     its label is its head, "…", and the stretch where it first differs from
