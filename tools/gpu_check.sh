@@ -12,8 +12,10 @@
 #   example   examples/moe_layer.py
 #   bench     benchmarks/bench_moe.py (JSON and plot into OUTDIR)
 #   attn      benchmarks/bench_attention.py
-#   sharded   benchmarks/bench_sharded.py and examples/multiprocess_moe.py
-#             (two GPUs)
+#   sharded   on all the GPUs (two or more): the sharded tests
+#             (tests/layer/test_parallel.py, tests/property/test_prop_parallel.py),
+#             benchmarks/bench_sharded.py forward and --train on 2, 4, ... GPUs,
+#             and examples/multiprocess_moe.py with one process a GPU
 #   kernels   each kernel benchmark of benchmarks/kernels, as built
 # Every step logs to its own file in OUTDIR; OUTDIR/summary.txt has one line
 # a step, and the exit status is 1 when any step failed.
@@ -28,7 +30,8 @@
 # nvidia-cutlass wheel to install first when CUTLASS's headers are missing;
 # default .whl/nvidia_cutlass-*.whl if there is one), CMAKE_ARGS (added to the
 # build's), TUNE_ARGS, BENCH_ARGS, ATTN_ARGS, SHARD_ARGS, and
-# TUNE_SECONDS, BENCH_SECONDS, ATTN_SECONDS, SHARD_SECONDS, KERNEL_SECONDS
+# TUNE_SECONDS, BENCH_SECONDS, ATTN_SECONDS, SHARD_SECONDS (each sharded
+# benchmark run), SHARD_TEST_SECONDS, KERNEL_SECONDS
 # (time limits of those stages).
 set -uo pipefail
 if [ $# -lt 1 ]; then
@@ -151,12 +154,34 @@ print(tuning.table_file_name(jax.devices()[0].device_kind))")
       step attn $?
       ;;
     sharded)
-      JAX_PLATFORMS=cuda timeout "${SHARD_SECONDS:-150}" python3 benchmarks/bench_sharded.py \
-        --json "$OUT/bench_sharded.json" ${SHARD_ARGS:-} > "$OUT/bench_sharded.log" 2>&1
-      step sharded $?
-      timeout 90 python3 examples/multiprocess_moe.py --gpus 2 --timeout 80 \
+      # All the GPUs: the sharded tests on the meshes their count allows (the
+      # test stage above sees one GPU where there are two or more, so there
+      # they fell back to host CPU devices), the benchmark's forward and
+      # training step on 2, 4, ... of them, and the multi-process example
+      # with one process a GPU.
+      gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+      if [ "$gpus" -lt 2 ]; then
+        echo "sharded: needs two GPUs or more, this machine has $gpus"
+        step sharded 1
+        continue
+      fi
+      counts="" n=2
+      while [ "$n" -le "$gpus" ]; do counts="$counts $n"; n=$((n * 2)); done
+      JAX_PLATFORMS=cuda timeout -s INT -k 30 "${SHARD_TEST_SECONDS:-600}" \
+        python3 -m pytest -q -p no:cacheprovider tests/layer/test_parallel.py \
+        tests/property/test_prop_parallel.py > "$OUT/pytest_sharded.log" 2>&1
+      step "sharded tests ($gpus GPUs)" $?
+      grep -E "passed|failed|error" "$OUT/pytest_sharded.log" | tail -1
+      for mode in forward train; do
+        flag=$([ $mode = train ] && echo --train)
+        JAX_PLATFORMS=cuda timeout "${SHARD_SECONDS:-300}" python3 benchmarks/bench_sharded.py \
+          ${counts:+--device-counts $counts} $flag --json "$OUT/bench_sharded_$mode.json" \
+          ${SHARD_ARGS:-} > "$OUT/bench_sharded_$mode.log" 2>&1
+        step "sharded bench $mode" $?
+      done
+      timeout 300 python3 examples/multiprocess_moe.py --gpus "$gpus" --timeout 280 \
         > "$OUT/multiprocess.log" 2>&1
-      step multiprocess $?
+      step "multiprocess ($gpus GPUs)" $?
       ;;
     kernels)
       benches=$(find build -mindepth 4 -maxdepth 4 -path 'build/*/benchmarks/kernels/*' -type f \
