@@ -154,9 +154,9 @@ print(tuning.table_file_name(jax.devices()[0].device_kind))")
       step attn $?
       ;;
     sharded)
-      # All the GPUs: the sharded tests on the meshes their count allows (the
-      # test stage above sees one GPU where there are two or more, so there
-      # they fell back to host CPU devices), the benchmark's forward and
+      # All the GPUs: the sharded tests (their meshes take 8 GPUs, or 4 where
+      # there are 4 to 7, else host CPU devices; the test stage above sees
+      # one GPU where there are two or more), the benchmark's forward and
       # training step on 2, 4, ... of them, and the multi-process example
       # with one process a GPU.
       gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
