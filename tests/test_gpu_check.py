@@ -43,8 +43,8 @@ def calls_of(calls, script):
 def test_sharded_stage_uses_every_gpu(tmp_path, gpus, counts):
     status, calls, summary = run_sharded_stage(tmp_path, gpus)
     assert status == 0, summary
-    tests = [c for c in calls if "tests/layer/test_parallel.py" in c.split()]
-    assert len(tests) == 1 and "tests/property/test_prop_parallel.py" in tests[0].split()
+    (tests,) = calls_of(calls, "tests/layer/test_parallel.py")
+    assert "tests/property/test_prop_parallel.py" in tests.split()
     forward, train = calls_of(calls, "benchmarks/bench_sharded.py")
     assert f"--device-counts {counts} --json" in forward and "--train" not in forward.split()
     assert f"--device-counts {counts} --train --json" in train
