@@ -63,6 +63,8 @@ OP_CASES = [
     ("gemm/sizes_float", lambda m: m.group_gemm, [z((T * K, H)), W13, SIZES.astype(jnp.float32)], TypeError, "expert_sizes"),
     ("gemm/dtype_mismatch", lambda m: m.group_gemm, [z((T * K, H), jnp.bfloat16), W13, SIZES], TypeError, r"\bw\b"),
     ("gemm/x_int", lambda m: m.group_gemm, [z((T * K, H), jnp.int32), W13.astype(jnp.int32), SIZES], TypeError, r"\bx\b"),
+    # steps 3-6
+    ("mlp/is_gated_int", lambda m: P(m.expert_mlp, topk=K, is_gated=1), [X, W13, W2, SIZES, S2D], TypeError, "is_gated must be a bool"),
     # step 5
     ("act/odd", lambda m: m.gated_activation, [z((T, 2 * I + 1))], ValueError, r"\bh\b"),
     ("act/scalar", lambda m: m.gated_activation, [z(())], ValueError, r"\bh\b"),
@@ -183,6 +185,14 @@ def test_moe_forward_rejects_under_jit():
         jitted(X, z((T, E + 1)), W13, W2, topk=K)
     with pytest.raises(TypeError, match="w13"):
         jitted(X, LOGITS, W13.astype(jnp.float16), W2, topk=K)
+
+
+@pytest.mark.parametrize("module", [ops, reference], ids=["ops", "reference"])
+def test_index_rejects_2_31_ids(module):
+    # 2^31 entries do not fit int32 slot numbers; checked from the shape alone.
+    ids = jax.ShapeDtypeStruct((2**16, 2**15), jnp.int32)
+    with pytest.raises(ValueError, match="topk_ids has 2147483648 entries"):
+        jax.eval_shape(P(module.moe_compute_token_index, num_experts=E), ids)
 
 
 @pytest.mark.parametrize("module", [ops, reference], ids=["ops", "reference"])

@@ -228,6 +228,9 @@ def test_write_kv_then_decode_is_dense_attention(rng, dtype, d, dv):
     ("split_big", ValueError, "split_tokens must be a multiple of 64"),
     ("split_type", TypeError, "split_tokens"),
     ("split_many", ValueError, "more than 65535 splits"),
+    ("k_head_dim", ValueError, "k_pages' head dim 32 must equal q's head dim 64"),
+    ("page_size", ValueError, r"page_size \(k_pages.shape\[1\]\) must be >= 1"),
+    ("capacity", ValueError, "page_table's capacity"),
 ])
 def test_decode_errors(case, exc, match):
     q, kp, vp, pt, ln = decode_inputs()
@@ -270,6 +273,12 @@ def test_decode_errors(case, exc, match):
                                "split_type": 64.0, "split_many": 64}[case]}
         if case == "split_many":  # 2**18 pages of 16 per sequence: > 65535 splits of 64
             pt = jnp.zeros((2, 1 << 18), jnp.int32)
+    elif case == "k_head_dim":
+        kp = vp = jnp.zeros((4, 16, 2, 32))
+    elif case == "page_size":
+        kp = vp = jnp.zeros((4, 0, 2, 64))
+    elif case == "capacity":  # 2**20 + 1 pages of 16 per sequence: past 65535 splits of 256
+        pt = jnp.zeros((2, (1 << 20) + 1), jnp.int32)
     with pytest.raises(exc, match=match):
         attention.paged_decode_attention(q, kp, vp, pt, ln, **kw)
     if case not in ("page_oob", "page_neg", "len_cap", "len_neg"):  # trace-time checks

@@ -158,6 +158,8 @@ def test_prefill_max_seqlen_no_sequence():
     ("dtype", TypeError, "v"),
     ("cu_bad", ValueError, "cu_seqlens must start at 0"),
     ("cu_rank", ValueError, "cu_seqlens must have rank 1"),
+    ("cu_empty", ValueError, "cu_seqlens must have B\\+1 >= 1 entries"),
+    ("v_shape", ValueError, "v must have the shape of k"),
     ("scale_nan", ValueError, "scale must be finite"),
     ("causal_str", TypeError, "causal must be True or False"),
     ("causal_none", TypeError, "causal must be True or False"),
@@ -178,6 +180,10 @@ def test_prefill_errors(case, exc, match):
         cu = jnp.asarray([0, 5, 3], jnp.int32)
     elif case == "cu_rank":
         cu = jnp.zeros((2, 2), jnp.int32)
+    elif case == "cu_empty":
+        cu = jnp.zeros((0,), jnp.int32)
+    elif case == "v_shape":
+        v = jnp.zeros((8, 1, 64))
     with pytest.raises(exc, match=match):
         attention.prefill_attention(q, k, v, cu, **kw)
     with pytest.raises(exc, match=match):

@@ -654,3 +654,106 @@ def test_fp8_keep_errors(rng):
             lambda: convert_moe_block(sd, dtype=jnp.bfloat16, keep_fp8=True))
     with pytest.raises(TypeError, match="keep_fp8 must be a bool"):
         convert_moe_block(_fp8_deepseek(rng, i=128), dtype=jnp.bfloat16, keep_fp8="yes")
+
+
+# ---- argument errors and the other array and config forms -------------------
+
+class _Unreadable:
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("the file is gone")
+
+
+def test_argument_errors_name_the_argument(rng):
+    sd = make_state_dict("qwen3_moe", rng, distractors=False)
+    with pytest.raises(TypeError, match="state_dict must be a mapping of names to arrays, got list"):
+        convert_moe_block(list(sd.values()))
+    with pytest.raises(TypeError, match="prefix must be a str, got 3"):
+        convert_moe_block(sd, prefix=3)
+    with pytest.raises(TypeError, match="dtype must be a floating-point dtype, got int32"):
+        convert_moe_block(sd, dtype=np.int32)
+    with pytest.raises(TypeError, match="hf_config must be a dict .* got list"):
+        config_from_hf([("hidden_size", 32)])
+
+
+def test_broken_arrays_name_the_key(rng):
+    sd = make_state_dict("qwen3_moe", rng, distractors=False)
+    sd["gate.weight"] = np.zeros((8, 32, 1), np.float32)
+    msg = _raises(ValueError, "'gate.weight' has shape (8, 32, 1), expected rank 2",
+                  lambda: convert_moe_block(sd))
+    sd = make_state_dict("qwen3_moe", rng, distractors=False)
+    sd["experts.1.up_proj.weight"] = _Unreadable()
+    msg = _raises(TypeError, "'experts.1.up_proj.weight': cannot be converted",
+                  lambda: convert_moe_block(sd))
+    assert "the file is gone" in msg
+    e, h, i = _dims(HF_CONFIGS["qwen3_moe"])
+    fused = make_state_dict("qwen3_moe", rng, fused=True, distractors=False)
+    fused["experts.gate_up_proj"] = np.zeros((e, 2 * i + 1, h), np.float32)
+    _raises(ValueError, "with an even 2*I", lambda: convert_moe_block(fused))
+    # A router and nothing else under the prefix, the layout forced.
+    _raises(KeyError, "no routed experts found under 'experts.'",
+            lambda: convert_moe_block({"gate.weight": np.zeros((e, h), np.float32)},
+                                      layout="qwen"))
+
+
+def test_qwen_shared_gate_without_its_expert(rng):
+    sd = _qwen(rng)
+    for k in [k for k in sd if k.startswith(P + "shared_expert.")]:
+        del sd[k]
+    msg = _raises(KeyError, P + "shared_expert.gate_proj.weight",
+                  lambda: convert_moe_block(sd, prefix=P))
+    assert "shared_expert_gate.weight gates" in msg
+
+
+def test_fp8_fused_experts_are_refused(rng):
+    """Block-scaled fp8 weights are read per expert: the fused (E, 2I, H)
+    form in fp8 is an error naming the key, not a wrong dequantisation."""
+    sd = fp8_checkpoint(rng, 2, 128, 128)
+    codes = np.stack([np.concatenate([sd[f"experts.{x}.gate_proj.weight"],
+                                      sd[f"experts.{x}.up_proj.weight"]]) for x in range(2)])
+    down = np.stack([sd[f"experts.{x}.down_proj.weight"] for x in range(2)])
+    fused = {k: v for k, v in sd.items() if not k.startswith("experts.")}
+    fused["experts.gate_up_proj"], fused["experts.down_proj"] = codes, down
+    msg = _raises(ValueError, "'experts.gate_up_proj' is float8_e4m3fn with shape (2, 256, 128)",
+                  lambda: convert_moe_block(fused, dtype=jnp.bfloat16))
+    assert "per expert (rank 2) only" in msg
+
+
+class _TorchLikeBf16:
+    """The attributes of a CPU torch bfloat16 tensor that the converter uses
+    (torch is not a dependency): detach, cpu, dtype, float().numpy()."""
+
+    dtype = "torch.bfloat16"
+
+    def __init__(self, a):
+        self._a = np.asarray(a, np.float32)
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def float(self):
+        return self
+
+    def numpy(self):
+        return self._a
+
+
+def test_torch_bfloat16_and_config_objects(rng):
+    sd = make_state_dict("qwen3_moe", rng, dtype=jnp.bfloat16, distractors=False)
+    want = convert_moe_block(sd)
+    torch_like = {k: _TorchLikeBf16(np.asarray(v).astype(np.float32)) for k, v in sd.items()}
+    got = convert_moe_block(torch_like)
+    for k in want:
+        assert got[k].dtype == jnp.bfloat16, k
+        assert_equal(got[k], want[k], k)
+
+    class Config:  # a transformers PretrainedConfig: to_dict()
+        def to_dict(self):
+            return dict(HF_CONFIGS["mixtral"])
+
+    assert config_from_hf(Config()) == config_from_hf(HF_CONFIGS["mixtral"])
+    # A multimodal wrapper keeps the language model's fields under text_config.
+    wrapped = {"model_type": "wrapper", "text_config": dict(HF_CONFIGS["qwen3_moe"])}
+    assert config_from_hf(wrapped) == config_from_hf(HF_CONFIGS["qwen3_moe"])

@@ -112,6 +112,14 @@ def test_shared_expert_errors(rng):
     with pytest.raises(TypeError, match="shared_w13"):
         jax_moe.moe_forward(**inp, topk=2, shared_w13=s13.astype(jnp.bfloat16),
                             shared_w2=jnp.zeros((16, 6)))
+    with pytest.raises(ValueError, match="shared_gate needs shared_w13 and shared_w2"):
+        jax_moe.moe_forward(**inp, topk=2, shared_gate=jnp.zeros((16,)))
+    with pytest.raises(ValueError, match=r"shared_w13 must be \(2\*I_s, H=16\)"):
+        jax_moe.moe_forward(**inp, topk=2, shared_w13=jnp.zeros((12, 15)),
+                            shared_w2=jnp.zeros((16, 6)))
+    with pytest.raises(ValueError, match=r"shared_w13 must be \(2\*I_s, H=16\)"):  # odd 2*I_s
+        jax_moe.moe_forward(**inp, topk=2, shared_w13=jnp.zeros((11, 16)),
+                            shared_w2=jnp.zeros((16, 5)))
 
 
 # ------------------------------------------------------------ gradients
