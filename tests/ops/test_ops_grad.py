@@ -185,3 +185,22 @@ def test_gather_transpose_sums_slots_in_order(rng):
     for j in range(1, topk):
         want = want + rows[:, j]
     assert_equal(with_inverse, jnp.asarray(want).astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=DTYPE_IDS[1:])
+@pytest.mark.parametrize("kw", [{}, {"renormalize": False, "routed_scaling_factor": 2.5}],
+                         ids=["renormalized", "scaled"])
+def test_moe_decode_grad(rng, dtype, kw):
+    """ops.moe_decode (one token, one kernel) is differentiable in all four
+    arguments, the router logits included, as its twin."""
+    experts, hidden, inter, k = 8, 256, 256, 3
+    x = normal(rng, (1, hidden), dtype)
+    logits = normal(rng, (1, experts), jnp.float32)
+    w13, w2 = mlp_weights(rng, experts, hidden, inter, dtype)
+    ct = normal(rng, (1, hidden), dtype)
+    grads = compare(functools.partial(ops.moe_decode, topk=k, **kw),
+                    functools.partial(reference.moe_decode, topk=k, **kw),
+                    (x, logits, w13, w2), (0, 1, 2, 3), ct, dtype)
+    # Only the k chosen experts' weights get a gradient.
+    touched = np.any(np.asarray(grads[2], np.float32) != 0, axis=(1, 2))
+    assert touched.sum() == k
