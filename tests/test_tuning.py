@@ -348,17 +348,3 @@ def test_a_table_of_one_section(tmp_path, monkeypatch):
     finally:
         tuning.load_table.cache_clear()
 
-
-def test_table_of_one_gemm_only(tmp_path, monkeypatch):
-    # `python -m jax_moe.tune --fp8` on a new GPU writes only the fp8 section:
-    # the bf16 GEMM then has no table (the rule), and the fp8 entries are read.
-    monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
-    (tmp_path / "New_GPU.json").write_text(
-        '{"group_gemm_fp8": {"bfloat16/E8/N256/K256": [[64, 64], [4096, 128]]}}')
-    tuning.load_table.cache_clear()
-    try:
-        assert tuning.load_table("New GPU") == {}
-        assert tuning.load_table("New GPU", "group_gemm_fp8") == {
-            "bfloat16/E8/N256/K256": [[64, 64], [4096, 128]]}
-    finally:
-        tuning.load_table.cache_clear()

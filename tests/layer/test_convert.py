@@ -678,8 +678,8 @@ def test_argument_errors_name_the_argument(rng):
 def test_broken_arrays_name_the_key(rng):
     sd = make_state_dict("qwen3_moe", rng, distractors=False)
     sd["gate.weight"] = np.zeros((8, 32, 1), np.float32)
-    msg = _raises(ValueError, "'gate.weight' has shape (8, 32, 1), expected rank 2",
-                  lambda: convert_moe_block(sd))
+    _raises(ValueError, "'gate.weight' has shape (8, 32, 1), expected rank 2",
+            lambda: convert_moe_block(sd))
     sd = make_state_dict("qwen3_moe", rng, distractors=False)
     sd["experts.1.up_proj.weight"] = _Unreadable()
     msg = _raises(TypeError, "'experts.1.up_proj.weight': cannot be converted",
