@@ -347,4 +347,3 @@ def test_a_table_of_one_section(tmp_path, monkeypatch):
         assert tuning.group_gemm_fp8_tile_m(16, 16, 96, 64, jnp.bfloat16) == 128
     finally:
         tuning.load_table.cache_clear()
-

@@ -175,7 +175,7 @@ print(tuning.table_file_name(jax.devices()[0].device_kind))")
       for mode in forward train; do
         flag=$([ $mode = train ] && echo --train)
         JAX_PLATFORMS=cuda timeout "${SHARD_SECONDS:-300}" python3 benchmarks/bench_sharded.py \
-          ${counts:+--device-counts $counts} $flag --json "$OUT/bench_sharded_$mode.json" \
+          --device-counts $counts $flag --json "$OUT/bench_sharded_$mode.json" \
           ${SHARD_ARGS:-} > "$OUT/bench_sharded_$mode.log" 2>&1
         step "sharded bench $mode" $?
       done
