@@ -16,7 +16,7 @@
 //   3. out = sum over the slots in order of weight * y.
 // Rounding points are the step chain's (h, act and y in x's dtype, f32
 // sums); the order of every sum is fixed, so the result is the same bits run
-// to run.
+// to run. Phase timings: benchmarks/kernels/moe_decode_fp8_bench.cu.
 #include "kernels/cuda/moe_decode_fp8.h"
 
 #include <cooperative_groups.h>
@@ -37,6 +37,25 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+
+// Phase timestamps, in the benchmark's build only (JAX_MOE_DECODE_FP8_STAMPS,
+// kernels/cuda/moe_decode_fp8.h): block b writes globaltimer at point i to
+// g_fp8_stamps[b * kFp8StampStride + i].
+#ifdef JAX_MOE_DECODE_FP8_STAMPS
+__device__ unsigned long long* g_fp8_stamps;
+#define FP8_STAMP(i)                                                             \
+  do {                                                                           \
+    if (g_fp8_stamps && threadIdx.x == 0) {                                      \
+      unsigned long long t;                                                      \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                      \
+      g_fp8_stamps[blockIdx.x * kFp8StampStride + (i)] = t;                      \
+    }                                                                            \
+  } while (0)
+#else
+#define FP8_STAMP(i) \
+  do {               \
+  } while (0)
+#endif
 
 __device__ __forceinline__ float ActOf(int64_t act, float g) {
   if (act == kGeluExact) return Act<kGeluExact>(g);
@@ -90,6 +109,7 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_ids[kDecodeFp8MaxTopk];
   __shared__ float s_wts[kDecodeFp8MaxTopk];
+  FP8_STAMP(0);
   const int64_t H = p.hidden, I = p.inter, E = p.experts;
   const int k = static_cast<int>(p.topk);
   const int64_t kbh = (H + kFp8Block - 1) / kFp8Block, kbi = (I + kFp8Block - 1) / kFp8Block;
@@ -107,6 +127,7 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
     s_wts[threadIdx.x] = p.weights[threadIdx.x];
   }
   __syncthreads();  // s_ids
+  FP8_STAMP(1);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
@@ -135,6 +156,7 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
   };
   using S = Fp8Storage<DT>;
   Fp8QuantiseRows<DT, kFp8QuantBatch>(static_cast<const S*>(p.x), H, 1, xq, sx, kbh);
+  FP8_STAMP(2);
   for (int64_t item = first; item < items1; item += stride) {
     const int j = static_cast<int>(item / per_slot1);
     const int64_t i0 = item % per_slot1 * cols1;
@@ -153,7 +175,9 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
       }
     }
   }
+  FP8_STAMP(3);
   grid.sync();  // every slot's act written
+  FP8_STAMP(4);
 
   // Step 2: item (slot j, w2 rows [r0, r0 + 16)).
   const int64_t per_slot2 = (H + 15) / 16, items2 = k * per_slot2;
@@ -180,6 +204,7 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
                                                 static_cast<int>(j1 - j0 + 1),
                                                 aq + j0 * kbi * kFp8Block, sa + j0 * kbi, kbi);
   }
+  FP8_STAMP(5);
   for (int64_t item = lo2 + warp; item < hi2; item += kWarps) {
     const int j = static_cast<int>(item / per_slot2);
     const int64_t r0 = item % per_slot2 * 16;
@@ -192,7 +217,9 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
       if (r0 + g + 8 < H) y[g + 8] = s_ids[j] < 0 ? 0.f : Round<DT>(hi);
     }
   }
+  FP8_STAMP(6);
   grid.sync();  // every slot's y written
+  FP8_STAMP(7);
 
   // Step 3: the combine, slots in order.
   using T = typename DevScalar<DT>::T;
@@ -203,9 +230,16 @@ __global__ void __launch_bounds__(kThreads) MoeDecodeFp8Kernel(MoeDecodeFp8Probl
       if (s_ids[j] >= 0) o += s_wts[j] * __ldcg(p.y + static_cast<int64_t>(j) * H + c);
     static_cast<T*>(p.out)[c] = DevScalar<DT>::Store(o);
   }
+  FP8_STAMP(8);
 }
 
 }  // namespace
+
+#ifdef JAX_MOE_DECODE_FP8_STAMPS
+cudaError_t SetMoeDecodeFp8Stamps(unsigned long long* stamps) {
+  return cudaMemcpyToSymbol(g_fp8_stamps, &stamps, sizeof(stamps));
+}
+#endif
 
 int64_t MoeDecodeFp8Smem(int64_t hidden, int64_t inter, int64_t topk) {
   const int64_t kbh = (hidden + kFp8Block - 1) / kFp8Block;

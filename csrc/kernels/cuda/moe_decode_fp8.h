@@ -19,4 +19,13 @@ int64_t MoeDecodeFp8Smem(int64_t hidden, int64_t inter, int64_t topk);
 // cooperative launch of at most one resident grid. No host sync.
 cudaError_t LaunchMoeDecodeFp8(cudaStream_t stream, DType dtype, const MoeDecodeFp8Problem& p);
 
+#ifdef JAX_MOE_DECODE_FP8_STAMPS
+// The phase timestamps of the benchmark's build (benchmarks/kernels/
+// moe_decode_fp8_bench.cu): block b of each later launch writes globaltimer
+// at its points i = 0..kFp8StampPoints-1 to stamps[b * kFp8StampStride + i]
+// (null: none).
+constexpr int kFp8StampPoints = 9, kFp8StampStride = 16;
+cudaError_t SetMoeDecodeFp8Stamps(unsigned long long* stamps);
+#endif
+
 }  // namespace jax_moe
