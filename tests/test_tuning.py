@@ -199,6 +199,44 @@ def test_tune_needs_a_gpu(capsys):
     assert "needs a GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fp8_mode", [False, True], ids=["bf16", "fp8"])
+def test_tune_keeps_the_section_it_does_not_time(monkeypatch, tmp_path, fp8_mode):
+    # tune's write on a stand-in GPU (its timing loop is the test above's):
+    # the section it times and that section's date and timings replace the
+    # file's, the other GEMM's section, date and timings stay as they were,
+    # and no temporary file is left behind.
+    import datetime
+    import types
+    from jax_moe import tune
+    fake = types.SimpleNamespace(platform="gpu", device_kind="Fake GPU 9000")
+    monkeypatch.setattr(tune.jax, "devices", lambda: [fake])
+    monkeypatch.setattr(tuning, "hardware", lambda device=0: {"name": "Fake GPU 9000"})
+    key = tuning.table_key(8, 64, 32, jnp.bfloat16)
+    timed = {key: [[2, 64], [32, 128]]}
+    for name in ("_tune_bf16", "_tune_fp8"):
+        section = "group_gemm_fp8" if name == "_tune_fp8" else "group_gemm"
+        monkeypatch.setattr(tune, name, lambda args, section=section:
+                            (section, timed, {key: {"2": {"64": 1.0}}}))
+    out = tmp_path / "Fake_GPU_9000.json"
+    old = {"device": "Fake GPU 9000", "jax": "0.0", "date": "2026-01-01",
+           "date_fp8": "2026-01-02", "group_gemm": {key: [[2, 16]]},
+           "group_gemm_fp8": {key: [[2, 8]]}, "timings_us": {"old": 1},
+           "timings_us_fp8": {"old": 2}}
+    out.write_text(json.dumps(old))
+    assert tune.main(["--out", str(out)] + (["--fp8"] if fp8_mode else [])) == 0
+    data = json.loads(out.read_text())
+    suffix, kept = ("_fp8", "") if fp8_mode else ("", "_fp8")
+    timed_section, kept_section = "group_gemm" + suffix, "group_gemm" + kept
+    assert data[timed_section] == timed
+    assert data["timings_us" + suffix] == {key: {"2": {"64": 1.0}}}
+    assert data["date" + suffix] == datetime.date.today().isoformat()
+    assert data[kept_section] == old[kept_section]
+    assert data["timings_us" + kept] == old["timings_us" + kept]
+    assert data["date" + kept] == old["date" + kept]
+    assert data["hardware"] == {"name": "Fake GPU 9000"} and data["jax"] != "0.0"
+    assert [f.name for f in tmp_path.iterdir()] == ["Fake_GPU_9000.json"]
+
+
 def test_malformed_table_raises_naming_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_MOE_TUNING_DIR", str(tmp_path))
     (tmp_path / "Broken_GPU.json").write_text('{"group_gemm": {"bfloat16/E8/N8/K8": [[16, 48]]}}')
