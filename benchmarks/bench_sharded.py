@@ -35,11 +35,10 @@ it would in the layer. The same number serves both strategies.
 "collective µs" = total - expert µs: the collectives *and* the local work
 around them that only exists because of the sharding -- packing the routing
 metadata rows next to the tokens, the all_to_all path's pair sort, send-buffer
-fill and per-token sum over ranks, the final slice. Approximations: the few
-metadata rows per block that ride through the experts unplaced are left out of
-the expert-only run; collectives are not overlapped with compute in this layer
-(each call depends on the previous one), so the difference is the time they
-add; with timing noise it can come out slightly negative for tiny shapes.
+fill and per-token sum over ranks, the final slice. Collectives are not
+overlapped with compute in this layer (each call depends on the previous one),
+so the difference is the time they add; with timing noise it can come out
+slightly negative for tiny shapes.
 
 With --train every timed call is a training step instead of a forward:
 forward and backward with the gradients of the tokens, the router logits,

@@ -230,7 +230,8 @@ def moe_forward_sharded(hidden_states, router_logits, w13, w2, topk: int, *, mes
 
     strategy: "allgather", "all_to_all" or "auto" ("allgather" for ep <= 8).
     Both are dropless. Jittable: topk and every keyword argument except
-    shared_expert_output and e_score_correction_bias are static Python values.
+    shared_expert_output, e_score_correction_bias, w13_scale and w2_scale are
+    static Python values.
     Called eagerly with arrays committed to other devices (e.g. one device), it
     moves them onto the mesh.
     """
