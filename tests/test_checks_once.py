@@ -168,7 +168,7 @@ OPS = {  # name: (args, keyword arguments, the entry check)
     "gated_activation": ((sds((M, 2 * I)),), {}, "activation_args"),
     "activation": ((sds((M, I)),), dict(activation="gelu_tanh"), "activation_args"),
     "silu_and_mul": ((sds((M, 2 * I)),), {}, "activation_args"),
-    "gelu_and_mul": ((sds((M, 2 * I)),), dict(approximate=True), "activation_args"),
+    "gelu_and_mul": ((sds((M, 2 * I)),), dict(approximate=True), "gelu_and_mul_args"),
     "moe_combine": ((sds((M, H)), sds((T, K)), sds((M,), jnp.int32)), {}, "combine_args"),
     "moe_decode": (layer_args(tokens=1, hidden=256, inter=256, dtype=jnp.bfloat16) + (K,), {},
                    "moe_decode_args"),

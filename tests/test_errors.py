@@ -38,6 +38,9 @@ OP_CASES = [
     ("topk/logits_complex", lambda m: P(m.topk_softmax, topk=K), [z((T, E), jnp.complex64)], TypeError, "router_logits"),
     ("topk/too_big", lambda m: P(m.topk_softmax, topk=E + 1), [LOGITS], ValueError, "topk"),
     ("topk/zero", lambda m: P(m.topk_softmax, topk=0), [LOGITS], ValueError, "topk"),
+    ("topk/bool", lambda m: P(m.topk_softmax, topk=True), [LOGITS], TypeError, "topk"),
+    ("gelu_and_mul/approximate_str", lambda m: P(m.gelu_and_mul, approximate="False"),
+     [z((T, 2 * I))], TypeError, "approximate"),
     ("topk/negative", lambda m: P(m.topk_softmax, topk=-1), [LOGITS], ValueError, "topk"),
     ("topk/float", lambda m: P(m.topk_softmax, topk=2.0), [LOGITS], TypeError, "topk"),
     # step 2
@@ -64,7 +67,7 @@ OP_CASES = [
     ("gemm/dtype_mismatch", lambda m: m.group_gemm, [z((T * K, H), jnp.bfloat16), W13, SIZES], TypeError, r"\bw\b"),
     ("gemm/x_int", lambda m: m.group_gemm, [z((T * K, H), jnp.int32), W13.astype(jnp.int32), SIZES], TypeError, r"\bx\b"),
     # steps 3-6
-    ("mlp/is_gated_int", lambda m: P(m.expert_mlp, topk=K, is_gated=1), [X, W13, W2, SIZES, S2D], TypeError, "is_gated must be a bool"),
+    ("mlp/is_gated_int", lambda m: P(m.expert_mlp, topk=K, is_gated=1), [X, W13, W2, SIZES, S2D], TypeError, "is_gated must be True or False"),
     # step 5
     ("act/odd", lambda m: m.gated_activation, [z((T, 2 * I + 1))], ValueError, r"\bh\b"),
     ("act/scalar", lambda m: m.gated_activation, [z(())], ValueError, r"\bh\b"),
@@ -102,6 +105,16 @@ LAYER_CASES = [
     ("activation", {}, dict(activation="swish"), ValueError, "activation"),
     ("backend", {}, dict(backend="triton"), ValueError, "backend"),
     ("shared_shape", dict(shared_expert_output=z((T, H + 1))), {}, ValueError, "shared_expert_output"),
+    ("shared_output_int", dict(shared_expert_output=z((T, H), jnp.int32)), {}, TypeError, "shared_expert_output"),
+    ("shared_output_bool", dict(shared_expert_output=z((T, H), bool)), {}, TypeError, "shared_expert_output"),
+    ("shared_gate_shape", dict(shared_w13=z((2 * I, H)), shared_w2=z((H, I)), shared_gate=z((H, 1))),
+     {}, ValueError, "shared_gate"),
+    ("shared_gate_split", dict(shared_w13=z((2 * I, H)), shared_w2=z((H, I)), shared_gate=z((2, H // 2))),
+     {}, ValueError, "shared_gate"),
+    ("shared_gate_int", dict(shared_w13=z((2 * I, H)), shared_w2=z((H, I)), shared_gate=z((H,), jnp.int32)),
+     {}, TypeError, "shared_gate"),
+    ("topk_bool", {}, dict(topk=True), TypeError, "topk"),
+    ("remat_str", {}, dict(remat="yes"), TypeError, "remat"),
 ]
 
 
@@ -241,3 +254,44 @@ def test_expert_count_bound_is_the_same_everywhere():
             impl.topk_softmax(logits, 2)
         with pytest.raises(ValueError, match="num_experts"):
             impl.moe_compute_token_index(ids, e)
+
+
+def test_layer_array_arguments_that_are_lists():
+    # Lists (no shape, no dtype) get a TypeError naming the argument, not an
+    # AttributeError from deep inside.
+    for key, value in (("shared_expert_output", np.zeros((T, H)).tolist()),
+                       ("shared_gate", [0.0] * H)):
+        shared = dict(shared_w13=z((2 * I, H)), shared_w2=z((H, I))) if key == "shared_gate" else {}
+        with pytest.raises(TypeError, match=f"{key} must be an array"):
+            moe(X, LOGITS, W13, W2, K, **shared, **{key: value})
+    layer = jax_moe.MoELayer(jax_moe.MoEConfig(num_experts=E, topk=K, hidden_size=H,
+                                               intermediate_size=I))
+    with pytest.raises(TypeError, match="hidden_states must be an array"):
+        layer(np.zeros((T, H)).tolist(), LOGITS, W13, W2)
+    with pytest.raises(TypeError, match="w2 must be an array"):
+        layer(X, LOGITS, W13, W2.tolist())
+
+
+@pytest.mark.parametrize("module", [ops, reference], ids=["ops", "reference"])
+def test_numpy_bools_are_bools(module):
+    # np.bool_ flags read as the bools they are, everywhere a flag is taken.
+    ref = module.expert_mlp(X, W13, W2, SIZES, S2D, K, is_gated=True)
+    got = module.expert_mlp(X, W13, W2, SIZES, S2D, K, is_gated=np.bool_(True))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    h = jnp.asarray(np.linspace(-2, 2, T * 2 * I).reshape(T, 2 * I), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(module.gelu_and_mul(h, np.bool_(True))),
+                                  np.asarray(module.gelu_and_mul(h, True)))
+    assert not np.array_equal(np.asarray(module.gelu_and_mul(h, True)),
+                              np.asarray(module.gelu_and_mul(h, False)))
+    backend = "ffi" if module is ops else "reference"
+    x = jnp.asarray(np.linspace(-1, 1, T * H).reshape(T, H), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(moe(x, LOGITS, W13, W2, K, remat=np.bool_(True), backend=backend)),
+        np.asarray(moe(x, LOGITS, W13, W2, K, remat=True, backend=backend)))
+
+
+def test_moe_config_rejects_bool_counts():
+    with pytest.raises(TypeError, match="topk"):
+        jax_moe.MoEConfig(num_experts=4, topk=True, hidden_size=8, intermediate_size=4)
+    with pytest.raises(TypeError, match="num_experts"):
+        jax_moe.MoEConfig(num_experts=np.bool_(True), topk=1, hidden_size=8, intermediate_size=4)

@@ -12,6 +12,7 @@ range instead of wrapping onto a valid index).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -257,3 +258,26 @@ def dispatch_args(q, cu_seqlens, is_decode) -> None:
             raise ValueError(f"sequence {i} is a decode sequence (is_decode[{i}]) with "
                              f"{int(lens[i])} new tokens in cu_seqlens; a decode sequence has "
                              "exactly one")
+
+
+def fill_rows_args(x, start, poison):
+    """fill_rows' arguments; returns (start, poison) as int32 scalars: start
+    clamped to [0, N] (a host integer before it becomes int32, so that a wide
+    one cannot wrap), poison as poison != 0."""
+    _checks.float_dtype(x, "x")
+    if x.ndim < 1:
+        raise ValueError(f"x must have a leading row axis, got shape {x.shape}")
+    for name, v in (("start", start), ("poison", poison)):
+        if jnp.ndim(v) != 0:
+            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")
+    on_host = [not isinstance(v, jax.Array) for v in (start, poison)]  # Python or NumPy
+    start_a, poison_a = (np.asarray(v) if h else v for v, h in zip((start, poison), on_host))
+    if not jnp.issubdtype(start_a.dtype, jnp.integer):
+        raise TypeError(f"start must be an integer, got dtype {start_a.dtype}")
+    if not (poison_a.dtype == np.bool_ or jnp.issubdtype(poison_a.dtype, jnp.integer)):
+        raise TypeError(f"poison must be a bool or an integer, got dtype {poison_a.dtype}")
+    n = x.shape[0]
+    start_i = (np.int32(np.clip(start_a, 0, n)) if on_host[0]
+               else jnp.clip(start_a, 0, n).astype(jnp.int32))
+    poison_i = np.int32(poison_a != 0) if on_host[1] else (poison_a != 0).astype(jnp.int32)
+    return jnp.asarray(start_i), jnp.asarray(poison_i)

@@ -46,6 +46,10 @@ def same_dtype(a, a_name: str, b, b_name: str) -> None:
 
 
 def static_int(value, name: str) -> int:
+    """A Python or NumPy integer (a static argument), as an int; True and
+    False are refused (operator.index would read them as 1 and 0)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python int (a static argument), got {value!r}")
     try:
         return operator.index(value)
     except TypeError:

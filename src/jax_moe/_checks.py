@@ -286,8 +286,7 @@ def expert_mlp_args(x, w13, w2, expert_sizes, dst_to_src, topk_value, activation
     _weight_ranks(w13, expert_sizes)
     _weight_match(x, w13, expert_sizes)
     activation(activation_name)
-    if not isinstance(is_gated, bool):
-        raise TypeError(f"is_gated must be a bool, got {type(is_gated).__name__}")
+    static_bool(is_gated, "is_gated")
     rank(w2, "w2", 3)
     same_dtype(x, "x", w2, "w2")
     experts, up_width, hidden = w13.shape
@@ -307,6 +306,13 @@ def activation_args(h, name: str, gated: bool) -> None:
     float_dtype(h, "h")
     if gated and h.shape[-1] % 2:
         raise ValueError(f"h's last dimension must be even (2*I), got {h.shape[-1]}")
+
+
+def gelu_and_mul_args(h, approximate) -> str:
+    """gelu_and_mul's arguments; returns the activation's name."""
+    name = "gelu_tanh" if static_bool(approximate, "approximate") else "gelu"
+    activation_args(h, name, gated=True)
+    return name
 
 
 def combine_args(y, topk_weights, src_to_dst) -> None:
@@ -360,6 +366,8 @@ def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expe
         # The slots (T·k rows) are indexed with int32 on every backend.
         raise ValueError(f"hidden_states' T={tokens} times topk={k} must be at most "
                          f"{INT32_MAX} (2**31 - 1) slots")
+    if shared_expert_output is not None:
+        float_dtype(shared_expert_output, "shared_expert_output")
     if shared_expert_output is not None and shared_expert_output.shape != (tokens, hidden):
         raise ValueError(
             f"shared_expert_output must be (T={tokens}, H={hidden}), "
@@ -396,9 +404,11 @@ def _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
     inter = up_width // 2 if is_gated else up_width
     if shared_w2.shape != (hidden, inter):
         raise ValueError(f"shared_w2 must be (H={hidden}, I_s={inter}), got {shared_w2.shape}")
-    if shared_gate is not None and shared_gate.size != hidden:
-        raise ValueError(
-            f"shared_gate must hold H={hidden} values ((H,) or (1, H)), got {shared_gate.shape}")
+    if shared_gate is not None:
+        float_dtype(shared_gate, "shared_gate")
+        if shared_gate.shape not in ((hidden,), (1, hidden)):
+            raise ValueError(f"shared_gate must be (H={hidden},) or (1, H={hidden}), "
+                             f"got {shared_gate.shape}")
 
 
 def moe_layer_args(hidden_states, router_logits, w13, w2, topk_value, *, scoring_func,
@@ -436,9 +446,10 @@ def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormali
                  activation_name, is_gated, scoring_func, num_expert_group, topk_group,
                  e_score_correction_bias, routed_scaling_factor, shared_w13=None,
                  shared_w2=None, shared_gate=None, shared_expert_output=None, w13_scale=None,
-                 w2_scale=None) -> Layer:
+                 w2_scale=None, remat=False) -> Layer:
     """moe_forward's (and moe_forward_sharded's) arguments, the shared experts
     and fp8 expert weights' scales included."""
+    remat = static_bool(remat, "remat")
     activation(activation_name)
     fp8_weights = _fp8_weights(w13, w2, w13_scale, w2_scale)
     k = _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expert_output,
@@ -447,7 +458,7 @@ def forward_args(hidden_states, router_logits, w13, w2, topk_value, *, renormali
                              topk_group, e_score_correction_bias, routed_scaling_factor)
     _shared_experts(hidden_states, shared_w13, shared_w2, shared_gate, is_gated)
     return Layer(routing=routing, activation=activation_name,
-                 is_gated=bool(is_gated), fp8=fp8_weights)  # is_gated: checked above
+                 is_gated=bool(is_gated), fp8=fp8_weights, remat=remat)  # is_gated: checked above
 
 
 def decode_limits(hidden_states, w13, w2, k: int) -> str | None:

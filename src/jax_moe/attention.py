@@ -359,14 +359,10 @@ def fill_rows(x, start, poison):
     or, where poison is true, every element NaN: an FFI call on x's buffer in
     place (input_output_aliases), reading start and poison on the device, so
     that it costs a launch plus the rows it writes. start, poison: scalars
-    (traced or not)."""
-    _checks.float_dtype(x, "x")
-    if x.ndim < 1:
-        raise ValueError(f"x must have a leading row axis, got shape {x.shape}")
-    for name, v in (("start", start), ("poison", poison)):
-        if jnp.ndim(v) != 0:
-            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")
-    ctrl = jnp.stack([jnp.asarray(start).astype(jnp.int32), jnp.asarray(poison).astype(jnp.int32)])
+    (traced or not): start an integer, poison a bool or an integer (nonzero:
+    true)."""
+    start, poison = _ac.fill_rows_args(x, start, poison)
+    ctrl = jnp.stack([start, poison])
     call = jax.ffi.ffi_call("jax_moe_fill_rows", _sds(x.shape, x.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(x, ctrl)

@@ -72,10 +72,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale=No
 def fill_rows(x, start, poison):
     """The twin of jax_moe.attention.fill_rows: rows start .. N-1 of x set to
     0 (start clamped to [0, N]), or every element NaN where poison is true."""
+    start, poison = _ac.fill_rows_args(x, start, poison)
     rows = jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1))
-    zeroed = jnp.where(rows >= jnp.clip(jnp.asarray(start, jnp.int32), 0, x.shape[0]),
-                       jnp.zeros((), x.dtype), x)
-    return jnp.where(jnp.asarray(poison, bool), jnp.asarray(jnp.nan, x.dtype), zeroed)
+    zeroed = jnp.where(rows >= start, jnp.zeros((), x.dtype), x)
+    return jnp.where(poison != 0, jnp.asarray(jnp.nan, x.dtype), zeroed)
 
 
 def segment_ids(cu_seqlens, n: int):

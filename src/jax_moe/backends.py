@@ -2,7 +2,10 @@
 
 ``BACKENDS`` maps each name to the module of its public, checked ops:
 "ffi" to jax_moe.ops (the XLA FFI custom calls) and "reference" to
-jax_moe.reference (plain jax.numpy, the same signatures and semantics).
+jax_moe.reference (plain jax.numpy, the same signatures and semantics, but
+for ``moe_decode_supported``, which only ops has, and for non-finite
+weights: ``jax.lax.ragged_dot`` may spread one expert's NaN or inf weight to
+every row, where the kernels keep it to that expert's rows).
 ``get(name)`` returns that module and raises ValueError for any other name;
 moe_forward, MoELayer, moe_forward_sharded and jax_moe.nn.MoE take these names
 as their ``backend`` argument.

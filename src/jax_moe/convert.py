@@ -319,8 +319,9 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
     shard loaded as a dict. prefix: prepended to every name, e.g.
     ``"model.layers.3.mlp."`` (a missing final "." is added). layout: "qwen"
     | "mixtral" | "deepseek" or None to detect it from the names (see the
-    module docstring for each layout's names and shapes). dtype: cast every
-    output to it (default: keep the checkpoint's dtype);
+    module docstring for each layout's names and shapes). dtype: float32,
+    bfloat16 or float16, every output cast to it (default: keep the
+    checkpoint's dtype);
     ``e_score_correction_bias`` is always float32.
 
     Returns a dict of jax arrays::
@@ -357,8 +358,9 @@ def convert_moe_block(state_dict: Mapping, *, prefix: str = "", layout: str | No
         raise ValueError(f"layout must be one of {LAYOUTS} or None (detect), got {layout!r}")
     if dtype is not None:
         dtype = jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+        if dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32, bfloat16 or float16 (moe_forward's float "
+                            f"weights; keep_fp8=True keeps fp8 experts), got {dtype}")
     b = _Block(state_dict, prefix, dtype)
     if layout is None:
         layout = _detect(b)

@@ -126,8 +126,8 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
                 w13_scale=None, w2_scale=None, backend: str = "ffi"):
     """The MoE layer forward: route, group by expert, expert FFN, combine.
 
-    hidden_states (T, H); router_logits (T, E) (any float dtype; routing in
-    f32); w13 (E, 2*I, H) = concat(gate_proj, up_proj) per expert (or (E, I, H)
+    hidden_states (T, H); router_logits (T, E) (float32, bfloat16 or float16;
+    routing in f32); w13 (E, 2*I, H) = concat(gate_proj, up_proj) per expert (or (E, I, H)
     = up_proj when is_gated=False); w2 (E, H, I). Returns (T, H) in
     hidden_states' dtype.
 
@@ -163,7 +163,8 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
     kernel (the jax_moe_moe_decode_fp8 custom call), with the same rounding
     points. The fp8 weights are frozen (jax.grad with respect to them raises
     a TypeError); the gradients of the tokens and the router logits run the
-    fp8 GEMMs' backward (ops.group_gemm_fp8).
+    fp8 GEMMs' backward (ops.group_gemm_fp8). remat does not apply to fp8
+    experts (their backward keeps the w13 GEMM's output).
 
     backend: "ffi" (the custom calls) or "reference" (plain jax.numpy); see
     jax_moe.backends. On the GPU, one token within ``ops.moe_decode_supported``
@@ -180,10 +181,7 @@ def moe_forward(hidden_states, router_logits, w13, w2, topk: int, *,
         e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor, shared_w13=shared_w13, shared_w2=shared_w2,
         shared_gate=shared_gate, shared_expert_output=shared_expert_output,
-        w13_scale=w13_scale, w2_scale=w2_scale)
-    if not isinstance(remat, bool):
-        raise TypeError(f"remat must be a bool, got {type(remat).__name__}")
-    spec = dataclasses.replace(spec, remat=remat)
+        w13_scale=w13_scale, w2_scale=w2_scale, remat=remat)
     arrays = dict(hidden_states=hidden_states, router_logits=router_logits, w13=w13, w2=w2,
                   e_score_correction_bias=e_score_correction_bias, shared_w13=shared_w13,
                   shared_w2=shared_w2, shared_gate=shared_gate,
@@ -255,6 +253,9 @@ class MoELayer:
         """arrays: e_score_correction_bias, shared_w13, shared_w2, shared_gate,
         shared_expert_output, w13_scale, w2_scale (as moe_forward)."""
         c = self.config
+        for name, a in (("hidden_states", hidden_states), ("router_logits", router_logits),
+                        ("w13", w13), ("w2", w2)):
+            _checks.is_array(a, name)
         if hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(
                 f"hidden_states must have H={c.hidden_size}, got {hidden_states.shape}")

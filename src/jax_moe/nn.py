@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moe import backends, convert, losses
+from jax_moe import _checks, backends, convert, losses
 from jax_moe.layer import MoEConfig, moe_forward
 
 __all__ = ["MoE", "Buffer"]
@@ -128,6 +128,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x, *, return_aux: bool = False):
         c = self.config
+        _checks.is_array(x, "x")
         if x.ndim < 1 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (..., H={c.hidden_size}), got shape {x.shape}")
         lead = x.shape[:-1]

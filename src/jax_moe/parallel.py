@@ -138,15 +138,13 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     backends.get(backend)  # raises ValueError for an unknown backend
-    if not isinstance(remat, bool):
-        raise TypeError(f"remat must be a bool, got {type(remat).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     w13_3d = _w13_as_3d(w13)
     spec = _checks.forward_args(hidden_states, router_logits, w13_3d, w2, topk,
                                 renormalize=renormalize, activation_name=activation,
                                 is_gated=True, shared_expert_output=shared_expert_output,
-                                w13_scale=w13_scale, w2_scale=w2_scale,
+                                w13_scale=w13_scale, w2_scale=w2_scale, remat=remat,
                                 **(routing or _PLAIN_ROUTING))
 
     ep = _resolve_axis(mesh, ep_axis, "ep_axis")
@@ -175,7 +173,7 @@ def _make_plan(hidden_states, router_logits, w13, w2, topk, mesh, ep_axis, tp_ax
     return _Plan(mesh=mesh, ep=ep, tp=tp, n_ep=n_ep, n_tp=n_tp, strategy=strategy,
                  tokens=hidden_states.shape[0], experts=experts, inter=inter,
                  routing=spec.routing, activation=activation, backend=backend, fp8=spec.fp8,
-                 remat=remat)
+                 remat=spec.remat)
 
 
 def _w13_as_3d(w13):

@@ -78,7 +78,10 @@ def moe_expand_input(x, dst_to_src, topk: int):
 
 def group_gemm(x, w, expert_sizes, *, tile_m: int | None = None):
     """jax.lax.ragged_dot, accumulating in f32 (the pure-JAX grouped GEMM).
-    tile_m is accepted for signature parity with ops and checked, not used."""
+    tile_m is accepted for signature parity with ops and checked, not used.
+    A NaN or inf weight of one expert may reach every row here (XLA may
+    compute ragged_dot densely, and 0 * NaN is NaN), not only that expert's
+    rows as in ops.group_gemm."""
     _checks.group_gemm_args(x, w, expert_sizes, tile_m)
     return _group_gemm(x, w, expert_sizes)
 
@@ -130,8 +133,7 @@ def silu_and_mul(h):
 
 
 def gelu_and_mul(h, approximate: bool = False):
-    name = "gelu_tanh" if approximate else "gelu"
-    _checks.activation_args(h, name, gated=True)
+    name = _checks.gelu_and_mul_args(h, approximate)
     return _activation(h, name, True)
 
 

@@ -44,3 +44,21 @@ def test_fill_rows_errors():
         attention.fill_rows(jnp.zeros((3, 2)), jnp.zeros((2,), jnp.int32), 0)
     with pytest.raises(ValueError, match="poison must be a scalar"):
         attention.fill_rows(jnp.zeros((3, 2)), 1, jnp.zeros((1,), bool))
+    for impl in (attention, attention_reference):
+        with pytest.raises(TypeError, match="start must be an integer, got dtype float"):
+            impl.fill_rows(jnp.zeros((3, 2)), 1.7, 0)
+        with pytest.raises(TypeError, match="poison must be a bool or an integer, got dtype float"):
+            impl.fill_rows(jnp.zeros((3, 2)), 1, 0.5)
+
+
+@pytest.mark.parametrize("impl", [attention, attention_reference], ids=["ffi", "reference"])
+def test_fill_rows_wide_integers(impl):
+    # An int64 start past int32 clamps to N (nothing zeroed), a negative one
+    # to 0; an int64 poison of 2**32 is nonzero (true), not wrapped to 0.
+    x = jnp.ones((4, 2), jnp.float32)
+    wide = np.int64(2**32 + 1)
+    np.testing.assert_array_equal(np.asarray(impl.fill_rows(x, wide, False)), np.ones((4, 2)))
+    np.testing.assert_array_equal(np.asarray(impl.fill_rows(x, np.int64(-2**32 + 2), False)),
+                                  np.zeros((4, 2)))
+    assert np.all(np.isnan(np.asarray(impl.fill_rows(x, 1, np.int64(2**32)))))
+    assert np.all(np.asarray(impl.fill_rows(x, 2, np.bool_(False)))[:2] == 1)

@@ -669,8 +669,14 @@ def test_argument_errors_name_the_argument(rng):
         convert_moe_block(list(sd.values()))
     with pytest.raises(TypeError, match="prefix must be a str, got 3"):
         convert_moe_block(sd, prefix=3)
-    with pytest.raises(TypeError, match="dtype must be a floating-point dtype, got int32"):
+    with pytest.raises(TypeError, match="dtype must be float32, bfloat16 or float16 .* got int32"):
         convert_moe_block(sd, dtype=np.int32)
+    # Floats the layer cannot take: fp8 without scales (keep_fp8 keeps the
+    # checkpoint's), float64 (jax would truncate it to float32 with a warning).
+    with pytest.raises(TypeError, match="keep_fp8=True keeps fp8 experts.*float8_e4m3fn"):
+        convert_moe_block(sd, dtype=jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="dtype must be float32, bfloat16 or float16 .* float64"):
+        convert_moe_block(sd, dtype=np.float64)
     with pytest.raises(TypeError, match="hf_config must be a dict .* got list"):
         config_from_hf([("hidden_size", 32)])
 

@@ -106,6 +106,8 @@ def test_bad_arguments():
         MoE(CONFIGS["qwen3"], rngs=nnx.Rngs(0), backend="cuda")
     with pytest.raises(TypeError, match="MoEConfig"):
         MoE({"num_experts": 8}, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="x must be an array"):
+        MoE(CONFIGS["qwen3"], rngs=nnx.Rngs(0))([[0.0] * H])
 
 
 def _qwen2_state_dict(rng, prefix, cfg):

@@ -35,8 +35,7 @@ def silu_and_mul(h):
 
 def gelu_and_mul(h, approximate: bool = False):
     """gelu(h[..., :I]) * h[..., I:]; approximate=True uses the tanh form."""
-    name = "gelu_tanh" if approximate else "gelu"
-    _checks.activation_args(h, name, gated=True)
+    name = _checks.gelu_and_mul_args(h, approximate)
     return _activation(h, name, True)
 
 
