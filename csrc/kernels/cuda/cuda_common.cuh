@@ -340,6 +340,18 @@ int ResidentBlocks(int threads, int dynamic_smem = 0) {
   });
 }
 
+// A benchmark build's phase timestamp: thread 0 of block b writes the
+// globaltimer to stamps[b * stride + i] (nothing when stamps is null). The
+// one-token kernels call it through their own macros, compiled in only with
+// their benchmarks' switches.
+__device__ __forceinline__ void StampGlobaltimer(unsigned long long* stamps, int stride, int i) {
+  if (stamps != nullptr && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    stamps[blockIdx.x * stride + i] = t;
+  }
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and for a kernel
 // launched without the attribute). A kernel calls PdlTrigger() once it may
 // let the next kernel of its stream start (the next one still waits for it in

@@ -46,14 +46,7 @@ constexpr int kDotCols = 4;  // w2 columns a warp sums at once (WarpSum4)
 // g_decode_stamps[b * 8 + i].
 #ifdef JAX_MOE_DECODE_STAMPS
 __device__ unsigned long long* g_decode_stamps;
-#define DECODE_STAMP(i)                                                          \
-  do {                                                                           \
-    if (g_decode_stamps && threadIdx.x == 0) {                                   \
-      unsigned long long t;                                                      \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                      \
-      g_decode_stamps[blockIdx.x * 8 + (i)] = t;                                 \
-    }                                                                            \
-  } while (0)
+#define DECODE_STAMP(i) StampGlobaltimer(g_decode_stamps, 8, (i))
 #else
 #define DECODE_STAMP(i) \
   do {                  \

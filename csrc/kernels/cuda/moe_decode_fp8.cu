@@ -43,14 +43,7 @@ constexpr int kWarps = kThreads / 32;
 // g_fp8_stamps[b * kFp8StampStride + i].
 #ifdef JAX_MOE_DECODE_FP8_STAMPS
 __device__ unsigned long long* g_fp8_stamps;
-#define FP8_STAMP(i)                                                             \
-  do {                                                                           \
-    if (g_fp8_stamps && threadIdx.x == 0) {                                      \
-      unsigned long long t;                                                      \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                      \
-      g_fp8_stamps[blockIdx.x * kFp8StampStride + (i)] = t;                      \
-    }                                                                            \
-  } while (0)
+#define FP8_STAMP(i) StampGlobaltimer(g_fp8_stamps, kFp8StampStride, (i))
 #else
 #define FP8_STAMP(i) \
   do {               \
