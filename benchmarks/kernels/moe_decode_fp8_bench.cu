@@ -103,6 +103,7 @@ int Run(const char* name, Model m) {
   void *x, *out;
   unsigned long long* stamps;
   const int max_blocks = 4 * sms;  // the launcher's grid is at most its residency
+  const size_t per_call = static_cast<size_t>(max_blocks) * kFp8StampStride;  // stamps a call
   CK(cudaMalloc(&w13, n13));
   CK(cudaMalloc(&w2, n2));
   CK(cudaMalloc(&w13s, s13 * 4));
@@ -113,7 +114,7 @@ int Run(const char* name, Model m) {
   CK(cudaMalloc(&act, k * I * 4));
   CK(cudaMalloc(&y, k * H * 4));
   CK(cudaMalloc(&out, kRotations * H * 2));
-  CK(cudaMalloc(&stamps, static_cast<size_t>(2) * max_blocks * kFp8StampStride * 8));
+  CK(cudaMalloc(&stamps, 2 * per_call * 8));
   FillCodes<<<4 * sms, 256>>>(w13, n13, 1);
   FillCodes<<<4 * sms, 256>>>(w2, n2, 2);
   FillScales<<<4 * sms, 256>>>(w13s, s13, 3);
@@ -156,20 +157,19 @@ int Run(const char* name, Model m) {
 
   // Two calls back to back with stamps (the 3rd and 4th of a run of 4);
   // blocks that never ran keep stamp 0 at point 0.
-  CK(cudaMemset(stamps, 0, static_cast<size_t>(2) * max_blocks * kFp8StampStride * 8));
+  CK(cudaMemset(stamps, 0, 2 * per_call * 8));
   for (int c = 0; c < 4; ++c) {
-    CK(SetMoeDecodeFp8Stamps(
-        c >= 2 ? stamps + static_cast<size_t>(c - 2) * max_blocks * kFp8StampStride : nullptr));
+    CK(SetMoeDecodeFp8Stamps(c >= 2 ? stamps + (c - 2) * per_call : nullptr));
     launch(c);
   }
   CK(cudaDeviceSynchronize());
   CK(SetMoeDecodeFp8Stamps(nullptr));
-  std::vector<unsigned long long> hs(static_cast<size_t>(2) * max_blocks * kFp8StampStride);
+  std::vector<unsigned long long> hs(2 * per_call);
   CK(cudaMemcpy(hs.data(), stamps, hs.size() * 8, cudaMemcpyDeviceToHost));
   const char* names[kPoints] = {"start", "ids",      "x quantised", "w13 done", "barrier",
                                 "act quantised", "w2 done", "barrier", "end"};
   for (int c = 0; c < 2; ++c) {
-    const unsigned long long* cs = hs.data() + static_cast<size_t>(c) * max_blocks * kFp8StampStride;
+    const unsigned long long* cs = hs.data() + c * per_call;
     int blocks = 0;
     unsigned long long t0 = ~0ull;
     while (blocks < max_blocks && cs[blocks * kFp8StampStride] != 0) {

@@ -368,10 +368,9 @@ def _layer_shapes(hidden_states, router_logits, w13, w2, topk_value, shared_expe
                          f"{INT32_MAX} (2**31 - 1) slots")
     if shared_expert_output is not None:
         float_dtype(shared_expert_output, "shared_expert_output")
-    if shared_expert_output is not None and shared_expert_output.shape != (tokens, hidden):
-        raise ValueError(
-            f"shared_expert_output must be (T={tokens}, H={hidden}), "
-            f"got {shared_expert_output.shape}")
+        if shared_expert_output.shape != (tokens, hidden):
+            raise ValueError(f"shared_expert_output must be (T={tokens}, H={hidden}), "
+                             f"got {shared_expert_output.shape}")
     return k
 
 
